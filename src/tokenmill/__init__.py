@@ -1,0 +1,29 @@
+"""tokenmill: a readable LLM inference engine for GGUF and Hugging Face models on CPU or CUDA.
+
+    from tokenmill import LLM, SamplingParams
+    llm = LLM()                       # the embedded default model (SmolLM2-135M-Instruct, GGUF)
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].outputs[0].text)
+"""
+
+from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
+from tokenmill.llm import LLM, default_model_path
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling import SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "LLM",
+    "CheckpointError",
+    "CompletionOutput",
+    "IncrementalDetokenizer",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "Tokenizer",
+    "TokenmillError",
+    "UnsupportedModelError",
+    "default_model_path",
+    "load_tokenizer",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and writes JSON, with a peer measured in the same run."""

@@ -1,0 +1,38 @@
+"""Reading checkpoint files, nothing else.
+
+Two formats: a GGUF file (metadata, tensors in any GGML type, tokenizer data) and a Hugging Face
+folder (config.json, safetensors shards, tokenizer files). Both the tokenizer and the models are
+built on top of these readers. `open_checkpoint` picks the reader from the path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenmill.checkpoint.gguf import GGUFCheckpoint
+from tokenmill.checkpoint.hf import HFCheckpoint
+from tokenmill.errors import CheckpointError
+
+__all__ = ["GGUFCheckpoint", "HFCheckpoint", "open_checkpoint"]
+
+
+def open_checkpoint(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:
+    """Open a `.gguf` file or a Hugging Face folder, with an error naming the path otherwise."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"model path does not exist: {p}")
+    if p.is_dir():
+        return HFCheckpoint(p)
+    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+        return GGUFCheckpoint(p)
+    raise CheckpointError(
+        f"{p} is neither a .gguf file nor a Hugging Face model folder (config.json + *.safetensors)"
+    )
+
+
+def _has_gguf_magic(p: Path) -> bool:
+    try:
+        with p.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

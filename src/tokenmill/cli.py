@@ -1,0 +1,174 @@
+"""The `tokenmill` command: generate, chat, bench.
+
+Every user error (bad path, bad parameter) is one line on stderr and exit status 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from tokenmill.errors import TokenmillError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", "-m", default=None, help="a .gguf file or an HF folder (default: the embedded "
+                   "SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None, help="load the tokenizer from another .gguf file or HF folder")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16) | float32 | bfloat16 | float16 (CUDA)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 1 GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV pool size in blocks")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy (default: the model's "
+                   "generation config, else 1.0)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                num_kv_blocks=args.num_kv_blocks, show_progress=True)
+
+
+def _sampling_params(llm, args: argparse.Namespace):
+    import dataclasses
+
+    base = llm.get_default_sampling_params()
+    overrides = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+                 if getattr(args, k) is not None}
+    return dataclasses.replace(base, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, **overrides)
+
+
+def _load(args: argparse.Namespace):
+    from tokenmill.llm import LLM
+
+    print("loading model ...", file=sys.stderr, flush=True)
+    return LLM(args.model, **_engine_kwargs(args))
+
+
+def _print_stream(outputs) -> str:
+    printed = ""
+    last = None
+    for out in outputs:
+        text = out.outputs[0].text
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+        last = out
+    return last.outputs[0].finish_reason if last is not None else "abort"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    params = _sampling_params(llm, args)
+    sys.stdout.write(args.prompt)
+    reason = _print_stream(llm.stream(args.prompt, params))
+    sys.stdout.write("\n")
+    print(f"[finish_reason: {reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    params = _sampling_params(llm, args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("chat with the model; Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        reply = ""
+        for out in llm.stream(sampling_params=params, messages=messages):
+            text = out.outputs[0].text
+            sys.stdout.write(text[len(reply):])
+            sys.stdout.flush()
+            reply = text
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tokenmill.bench.latency import run_latency_bench
+
+    run_latency_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=128)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat using the model's chat template (Ctrl-D to quit)")
+    p.add_argument("--system", default=None, help="a system message")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("latency", help="batch-1 load time, TTFT and decode speed vs transformers")
+    _add_model_args(b)
+    b.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
+    b.add_argument("--decode-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    b.add_argument("--output", default="bench-results/latency.json")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except TokenmillError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

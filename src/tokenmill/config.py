@@ -1,0 +1,138 @@
+"""Validated configuration: what the model is (ModelConfig) and how to run it (dtype, device).
+
+ModelConfig is filled by each architecture file from a checkpoint (HF config.json or GGUF
+metadata) and never changes afterwards. Field names follow Hugging Face's where they exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.errors import TokenmillError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a decoder-only transformer."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise TokenmillError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise TokenmillError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+
+def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from an HF config, old (`rope_scaling`) or new (`rope_parameters`) style."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise TokenmillError(f"model config: rope type {rope_type!r} is not supported (supported: default, llama3)")
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TokenmillError(f"device: {device!r} is not a valid torch device") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TokenmillError(f"device: {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise TokenmillError(f"device: {device!r} is not supported (cpu or cuda)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 (fast on CPUs with bf16 units and on GPUs); float16 is refused on CPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise TokenmillError(f"dtype: {dtype!r} is not supported (auto, float32, bfloat16, float16)")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TokenmillError(f"dtype: {resolved} is not supported (float32, bfloat16, float16)")
+    if resolved == torch.float16 and device.type == "cpu":
+        raise TokenmillError("dtype: float16 is not supported on CPU (use bfloat16 or float32)")
+    return resolved
+
+
+@dataclass
+class EngineConfig:
+    """How to run a model: every engine knob, validated in one place (names follow vLLM's)."""
+
+    model: str | None = None               # .gguf file or HF folder; None = the embedded default model
+    dtype: str = "auto"                    # auto (bfloat16) | float32 | bfloat16 | float16 (CUDA only)
+    device: str = "auto"                   # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None       # context limit; default: the model's, capped by the KV pool
+    block_size: int = 16                   # tokens per KV block
+    max_num_seqs: int = 64                 # running requests per step
+    max_num_batched_tokens: int = 2048     # tokens per step (prefill chunks + decodes)
+    kv_cache_memory: int | None = None     # bytes for the KV pool; default 1 GiB
+    num_kv_blocks: int | None = None       # explicit pool size (overrides kv_cache_memory)
+    show_progress: bool = False            # progress bars while loading
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TokenmillError(f"{name} must be a positive integer, got {value!r}")

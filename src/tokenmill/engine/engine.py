@@ -1,0 +1,125 @@
+"""The engine: add_request / step / abort over token ids. One step is schedule -> run -> postprocess.
+
+Text (tokenizing prompts, detokenizing, stop strings) is not the engine's business: see
+tokenmill/engine/output.py and tokenmill/llm.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
+from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tokenmill.engine.kv_cache import BlockPool, allocate_kv_caches, kv_bytes_per_token
+from tokenmill.engine.request import Request
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.errors import TokenmillError
+from tokenmill.models.loader import load_model
+from tokenmill.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress)
+        self.eos_token_ids = eos_token_ids
+        mc: ModelConfig = self.model_config
+        per_token = kv_bytes_per_token(mc, self.dtype)
+        block_bytes = per_token * config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:  # the memory budget, but no more than max_num_seqs full-length requests need
+            context = config.max_model_len or mc.max_position_embeddings
+            useful = config.max_num_seqs * -(-context // config.block_size)
+            num_blocks = max(1, min((config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes, useful))
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise TokenmillError(f"max_model_len ({config.max_model_len}) exceeds the model's context length "
+                                 f"({mc.max_position_embeddings})")
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
+        self.pool = BlockPool(num_blocks)
+        self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights %.1f MiB (%s); KV cache %d B/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
+                    "max_model_len %d", weight_bytes / 2**20, self.dtype, per_token, num_blocks,
+                    config.block_size, capacity, num_blocks * block_bytes / 2**20, self.max_model_len)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        if not prompt_token_ids:
+            raise TokenmillError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise TokenmillError(f"prompt: token id {bad[0]!r} is out of range [0, {vocab})")
+        params.validate_for_vocab(vocab)
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise TokenmillError(f"prompt: {n} tokens leave no room to generate within max_model_len "
+                                 f"({self.max_model_len})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise TokenmillError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                                 f"max_model_len ({self.max_model_len})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise TokenmillError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens,
+                          frozenset() if params.ignore_eos else self.eos_token_ids)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> list[Request]:
+        """Run one engine step; returns the requests that got a token (or finished) in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        results = self.runner.execute(scheduled.scheduled)
+        for request, n in scheduled.scheduled:
+            request.num_computed_tokens += n
+        updated = []
+        for request, token in results:
+            request.output_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                request.logprobs.append((token.logprob, token.top_logprobs))
+            request.check_stop(self.max_model_len)
+            if request.is_finished:
+                self._release(request)
+            updated.append(request)
+        return updated
+
+    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request from outside the token loop (a stop string matched, or an abort)."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return
+        request.finish(reason, stop_reason)
+        self._release(request)
+
+    def abort(self, request_id: str) -> None:
+        self.finish_request(request_id, "abort")
+
+    def _release(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+

@@ -1,0 +1,130 @@
+"""Turns engine token ids into user-facing outputs: incremental text, stop strings, logprobs, n > 1.
+
+This runs after each engine step, outside the model's token loop. A request with `n` samples is
+submitted to the engine as `n` child requests ("{id}#{i}"); child i of a seeded request uses
+seed + i, so the samples differ but each is reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.request import Request
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling import SamplingParams, StopStringMatcher
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Sample:
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher | None
+    num_seen: int = 0      # engine tokens already processed
+
+
+@dataclass
+class _Parent:
+    output: RequestOutput
+    samples: dict[str, _Sample]
+    params: SamplingParams
+
+
+class OutputProcessor:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids)), {}, params)
+        children = []
+        for i in range(params.n):
+            child_params = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            children.append((f"{request_id}#{i}", child_params))
+        submitted: list[str] = []
+        try:
+            for child_id, child_params in children:
+                self.engine.add_request(prompt_token_ids, child_params, request_id=child_id)
+                submitted.append(child_id)
+        except Exception:
+            for child_id in submitted:
+                self.engine.abort(child_id)
+            raise
+        for i, (child_id, _) in enumerate(children):
+            completion = CompletionOutput(index=i, text="", token_ids=[],
+                                          cumulative_logprob=0.0 if params.logprobs is not None else None,
+                                          logprobs=[] if params.logprobs is not None else None)
+            parent.output.outputs.append(completion)
+            parent.samples[child_id] = _Sample(
+                completion,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
+            )
+            self._child_parent[child_id] = request_id
+        self._parents[request_id] = parent
+
+    def abort(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child_id, sample in parent.samples.items():
+            self.engine.abort(child_id)
+            if sample.output.finish_reason is None:
+                sample.output.finish_reason = "abort"
+            del self._child_parent[child_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def process(self, updated: list[Request]) -> list[RequestOutput]:
+        """Fold one engine step's updates into the outputs; returns the parents that changed."""
+        changed: dict[str, RequestOutput] = {}
+        for request in updated:
+            parent_id = self._child_parent.get(request.request_id)
+            if parent_id is None:
+                continue
+            parent = self._parents[parent_id]
+            self._update_sample(request, parent.samples[request.request_id])
+            changed[parent_id] = parent.output
+        for parent_id, output in changed.items():
+            if output.finished:
+                for child_id in self._parents.pop(parent_id).samples:
+                    del self._child_parent[child_id]
+        return list(changed.values())
+
+    def _update_sample(self, request: Request, sample: _Sample) -> None:
+        out = sample.output
+        new_ids = request.output_token_ids[sample.num_seen:]
+        new_logprobs = request.logprobs[sample.num_seen:]
+        sample.num_seen = len(request.output_token_ids)
+        out.token_ids.extend(new_ids)
+        if out.logprobs is not None:
+            for token_id, (lp, top) in zip(new_ids, new_logprobs, strict=True):
+                entry = {tid: Logprob(tlp, rank + 1, self.tokenizer.decode([tid]))
+                         for rank, (tid, tlp) in enumerate(top)}
+                if token_id not in entry:
+                    entry[token_id] = Logprob(lp, None, self.tokenizer.decode([token_id]))
+                out.logprobs.append(entry)
+                out.cumulative_logprob += lp
+        delta = sample.detokenizer.step(new_ids)
+        if request.is_finished:
+            delta += sample.detokenizer.flush()
+        if sample.stop is not None:
+            emitted, stopped = sample.stop.feed(delta)
+            if stopped:
+                out.text += emitted
+                self.engine.finish_request(request.request_id, "stop", sample.stop.matched)
+                out.finish_reason, out.stop_reason = "stop", sample.stop.matched
+                return
+            delta = emitted + (sample.stop.flush() if request.is_finished else "")
+        out.text += delta
+        if request.is_finished:
+            out.finish_reason, out.stop_reason = request.finish_reason, request.stop_reason

@@ -1,0 +1,74 @@
+"""One request's state as the engine sees it: token ids, sampling parameters, progress, blocks.
+
+Vocabulary (the same everywhere): `num_tokens` = prompt + output tokens so far;
+`num_computed_tokens` = tokens whose K/V are written to the cache; a step schedules
+`num_tokens - num_computed_tokens` (or fewer, for a prefill chunk). Prefill and decode are both
+"computed catches up to total".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                       # resolved: never None here
+    eos_token_ids: frozenset[int]         # empty when params.ignore_eos
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    generator: torch.Generator | None = None
+    # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def check_stop(self, max_model_len: int) -> None:
+        """After appending a token: EOS, a stop token, max_tokens or the context limit."""
+        last = self.output_token_ids[-1]
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            if last in self.eos_token_ids:
+                return self.finish("stop", None)
+            if self.params.stop_token_ids and last in self.params.stop_token_ids:
+                return self.finish("stop", last)
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish("length")

@@ -1,0 +1,18 @@
+"""Exceptions that tokenmill raises for bad input.
+
+Every error a user can cause (a bad path, a corrupt file, an out-of-range parameter) is one of
+these, with a message that names the file or field. The CLI prints the message on one line and
+exits non-zero; the server maps them to HTTP 400.
+"""
+
+
+class TokenmillError(ValueError):
+    """Base class: a problem with what the user asked for, not a bug in tokenmill."""
+
+
+class CheckpointError(TokenmillError):
+    """A model path that is missing, unreadable, corrupt or of an unsupported kind."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """A readable checkpoint whose architecture or tensor type tokenmill cannot run."""

@@ -1,0 +1,1 @@
+"""Shared building blocks of the models: norms, rotary embeddings, activations, paged attention."""

@@ -1,0 +1,115 @@
+"""Attention over a paged KV cache for one packed, unpadded batch.
+
+The packed batch (B requests, T tokens; here B = 3, T = 7, block_size = 4):
+
+    rows            A0 A1 A2 A3 | B8 | C0 C1        (request A prefills 4 tokens, B decodes its 9th,
+    positions        0  1  2  3 |  8 |  0  1         C prefills the first 2 of a longer prompt)
+    query_start_loc [0, 4, 5, 7]
+    seq_lens        [4, 9, 2]          context length once this step's tokens are written
+    block_tables    A: [5]  B: [2, 7, 3]  C: [0]    (padded with 0 to [B, max_blocks])
+    slot_mapping    token at `pos` of request b -> block_tables[b][pos // 4] * 4 + pos % 4
+
+Each layer's cache is one tensor [2 (K, V), num_blocks, block_size, kv_heads, head_dim]. A layer
+first writes the new K/V of every row to its slot, then each request's queries attend over the
+first seq_lens[b] slots of its own blocks (causally: query at position p sees keys 0..p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: list[int]        # [B + 1], row offsets of each request in the packed batch
+    seq_lens: list[int]               # [B]
+    block_tables: torch.Tensor        # [B, max_blocks] int64
+    slot_mapping: torch.Tensor        # [T] int64
+    seq_lens_tensor: torch.Tensor     # [B] int64, same values as seq_lens
+    block_size: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.query_start_loc) - 1 == int(self.slot_mapping.numel())
+
+
+class Attention(nn.Module):
+    """Writes K/V into this layer's cache slots, then attends (the plain PyTorch backend)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None  # bound once by the runner, see bind_kv_caches
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+        assert self.kv_cache is not None, "KV cache not bound: call bind_kv_caches() first"
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        if meta.is_decode_only:
+            out = self._decode(q, k_cache, v_cache, meta)
+        else:
+            out = self._varlen(q, k_cache, v_cache, meta)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One query per request: grouped-query matmuls over each request's gathered blocks."""
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = k_cache[meta.block_tables].flatten(1, 2).float()    # [B, L, kv_heads, head_dim]
+        values = v_cache[meta.block_tables].flatten(1, 2).float()
+        qg = q.float().view(batch, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale   # [B, kv_heads, group, L]
+        length = keys.shape[1]
+        pad = torch.arange(length, device=q.device)[None, :] >= meta.seq_lens_tensor[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values.permute(0, 2, 1, 3))              # [B, kv_heads, group, hd]
+        return out.to(q.dtype)
+
+    def _varlen(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Any mix of prefill chunks and decodes: one causal SDPA call per request."""
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc
+        for b, seq_len in enumerate(meta.seq_lens):
+            q_start, q_end = starts[b], starts[b + 1]
+            num_q = q_end - q_start
+            num_blocks = -(-seq_len // meta.block_size)
+            blocks = meta.block_tables[b, :num_blocks]
+            keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)     # [kv_heads, L, hd]
+            values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+            query = q[q_start:q_end].transpose(0, 1)                            # [heads, n, hd]
+            if num_q == seq_len:
+                mask = None
+                causal = True
+            else:  # queries are the last num_q positions of the context
+                rows = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+                causal = False
+            o = F.scaled_dot_product_attention(
+                query.unsqueeze(0), keys.unsqueeze(0).to(q.dtype), values.unsqueeze(0).to(q.dtype),
+                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+            )
+            out[q_start:q_end] = o[0].transpose(0, 1)
+        return out
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    """Give each Attention layer (in module order) its cache tensor."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV cache tensors")
+    for layer, cache in zip(layers, kv_caches, strict=True):
+        layer.kv_cache = cache

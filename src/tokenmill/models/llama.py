@@ -1,0 +1,221 @@
+"""The Llama family: Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms).
+
+RMSNorm -> attention (fused q/k/v, RoPE, GQA) -> residual -> RMSNorm -> SwiGLU MLP (fused
+gate/up) -> residual; final RMSNorm and an LM head that may be tied to the embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
+from tokenmill.config import ModelConfig, rope_scaling_from_hf
+from tokenmill.errors import UnsupportedModelError
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.models.gguf_names import gguf_name_table, map_gguf_name
+
+_HF_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+# GGUF tensor name -> HF tensor name ("{i}" is the layer index).
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_GGUF_PATTERNS = gguf_name_table(_GGUF_NAMES)
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter, which reorders each head's Q/K rows from HF's rotate-half layout
+    (first half / second half) to GGML's interleaved pairs: row (h, j, p) <- HF row (h, p, j)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size])
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, rope, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # Rotary buffers and, for tied models, a redundant saved LM head carry nothing to load.
+        self.ignored_tensors = [r".*rotary_emb\.inv_freq"] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Packed batch in, final hidden states out ([T, hidden])."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    @staticmethod
+    def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        family = _HF_FAMILY[arch]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("config.json: mlp_bias=true is not supported")
+        theta, scaling = rope_scaling_from_hf(cfg)
+        heads = cfg["num_attention_heads"]
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
+        if window:  # within the window, sliding-window attention is full attention
+            max_pos = min(max_pos, int(window))
+        return ModelConfig(
+            architecture=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            max_position_embeddings=max_pos,
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+        )
+
+    @staticmethod
+    def config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
+        arch = ckpt.architecture
+        scaling_type = ckpt.arch_get("rope.scaling.type", "none")
+        if scaling_type not in ("none", None):
+            raise UnsupportedModelError(f"{ckpt.path}: rope scaling type {scaling_type!r} is not supported")
+        names = set(ckpt.tensor_names())
+        heads = int(ckpt.arch_get("attention.head_count"))
+        hidden = int(ckpt.arch_get("embedding_length"))
+        tokens = ckpt.get("tokenizer.ggml.tokens")
+        vocab = ckpt.arch_get("vocab_size") or (len(tokens) if tokens else ckpt.tensor_shape("token_embd.weight")[0])
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_layers=int(ckpt.arch_get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(ckpt.arch_get("attention.head_count_kv", heads)),
+            head_dim=int(ckpt.arch_get("attention.key_length", hidden // heads)),
+            intermediate_size=int(ckpt.arch_get("feed_forward_length")),
+            max_position_embeddings=int(ckpt.arch_get("context_length", 4096)),
+            norm_eps=float(ckpt.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(ckpt.arch_get("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+        )
+
+    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.config
+        if isinstance(ckpt, HFCheckpoint):
+            for name in ckpt.tensor_names():
+                yield name, ckpt.load_tensor(name, torch.float32)
+            return
+        for name in ckpt.tensor_names():
+            tensor = ckpt.load_tensor(name, torch.float32)
+            if name == "rope_freqs.weight":  # llama3 rope scaling as per-frequency divisors
+                self.model.rotary.set_frequency_factors(tensor)
+                continue
+            hf = map_gguf_name(name, _GGUF_PATTERNS)
+            if hf is None:
+                yield name, tensor  # the loader reports it as unused
+                continue
+            # llama.cpp permutes Q/K of the "llama" architecture only (qwen2/qwen3 use NeoX rope).
+            if cfg.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+                tensor = unpermute_rope_rows(tensor, cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads)
+            yield hf, tensor

@@ -1,0 +1,39 @@
+"""What generation returns: RequestOutput with one CompletionOutput per sample (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None          # 1 = most likely token; None when the rank is not known
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None   # per output token: sampled + top-k alternatives
+    finish_reason: str | None = None                   # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None               # the stop token id or stop string, if one ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

@@ -1,0 +1,175 @@
+"""SamplingBatch: one step's sampling parameters for B requests, packed into tensors once.
+
+The sampler then works on whole [B, V] tensors with per-row parameter vectors and never loops
+over requests. A feature no row uses is stored as None and skipped entirely, so a batch of plain
+requests pays nothing for penalties, biases or filters.
+
+Token-level inputs (logit bias, tokens suppressed by `min_tokens`) are sparse: flat
+(row, token id) index pairs for `Tensor.index_put_`. Penalties need dense [B, V] tables (token
+counts of the output, and a mask of the prompt's tokens), built only when some row uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from tokenmill.sampling.params import SamplingParams
+
+TokenIndex = tuple[torch.Tensor, torch.Tensor]
+"""(rows, token_ids): two equal-length int64 vectors addressing entries of a [B, V] tensor."""
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step's B requests, as tensors on the logits' device."""
+
+    num_rows: int
+    vocab_size: int
+    temperature: torch.Tensor
+    """[B] float32; 1.0 on greedy rows, whose temperature is never applied."""
+    greedy: torch.Tensor
+    """[B] bool: rows that take the argmax of their processed logits."""
+    all_greedy: bool
+    top_k: torch.Tensor | None
+    """[B] int64 in [1, V]; V on rows without top-k. None when no row uses top-k or top-p."""
+    top_p: torch.Tensor | None
+    """[B] float32 in (0, 1]. None when no row uses top-k or top-p."""
+    min_p: torch.Tensor | None
+    """[B] float32 in [0, 1]. None when no row uses min-p."""
+    repetition_penalty: torch.Tensor | None
+    """[B] float32 (1 = off). None when no row uses it."""
+    presence_penalty: torch.Tensor | None
+    """[B] float32 (0 = off). None when no row uses it."""
+    frequency_penalty: torch.Tensor | None
+    """[B] float32 (0 = off). None when no row uses it."""
+    prompt_mask: torch.Tensor | None
+    """[B, V] bool: token occurs in the row's prompt. Only for rows with a repetition penalty."""
+    output_counts: torch.Tensor | None
+    """[B, V] float32: times the token occurs in the row's output. Only for rows with a penalty."""
+    bias_index: TokenIndex | None
+    """Where `bias_values` are added. None when no row has a logit bias."""
+    bias_values: torch.Tensor | None
+    """float32, one value per entry of `bias_index`."""
+    suppress_index: TokenIndex | None
+    """EOS and stop token ids of rows that have not reached `min_tokens`; they get -inf."""
+    seeded_rows: list[tuple[int, torch.Generator]]
+    """(row, the request's own generator) for each sampled (non-greedy) row that has one; the
+    other rows draw from the global generator."""
+    num_top_logprobs: int | None
+    """K = the most top log-probabilities any row asked for; None when no row asked for any
+    log-probability (0 when rows asked only for the sampled token's)."""
+
+    @property
+    def needs_logit_processing(self) -> bool:
+        """Whether anything can change which token is the argmax (bias, suppression, penalties)."""
+        return any(
+            t is not None
+            for t in (
+                self.bias_index,
+                self.suppress_index,
+                self.repetition_penalty,
+                self.presence_penalty,
+                self.frequency_penalty,
+            )
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        eos_token_ids: Sequence[frozenset[int]] | frozenset[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Pack B requests: their params, prompt and output token ids so far, generators (one per
+        seeded request, reused every step; greedy rows never draw from theirs) and EOS ids (one
+        set for all rows, or one set per row)."""
+        num_rows = len(params)
+        if isinstance(eos_token_ids, frozenset):
+            eos_token_ids = [eos_token_ids] * num_rows
+        lengths = {len(prompt_ids), len(output_ids), len(generators), len(eos_token_ids)}
+        if lengths != {num_rows}:
+            raise ValueError(
+                f"SamplingBatch.build needs one prompt, output, generator and EOS set per request: "
+                f"{num_rows} params, {len(prompt_ids)} prompts, {len(output_ids)} outputs, "
+                f"{len(generators)} generators, {len(eos_token_ids)} EOS sets"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+
+        def row_vector(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def vector_unless_all(values: list[float], neutral: float) -> torch.Tensor | None:
+            return row_vector(values) if any(v != neutral for v in values) else None
+
+        greedy = [p.is_greedy for p in params]
+        top_k = top_p = None
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            # top_k = 0 (off) and top_k > V both mean "keep all V".
+            top_k = row_vector([min(p.top_k, vocab_size) or vocab_size for p in params], torch.int64)
+            top_p = row_vector([p.top_p for p in params])
+
+        uses_repetition = [p.repetition_penalty != 1.0 for p in params]
+        uses_penalty = [
+            rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for rep, p in zip(uses_repetition, params, strict=True)
+        ]
+        prompt_mask = output_counts = None
+        if any(uses_repetition):
+            prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+            prompt_mask[_token_index(prompt_ids, uses_repetition, device)] = True
+        if any(uses_penalty):
+            output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+            index = _token_index(output_ids, uses_penalty, device)
+            output_counts.index_put_(index, torch.ones(len(index[0]), device=device), accumulate=True)
+
+        bias_index = bias_values = None
+        if any(p.logit_bias for p in params):
+            biases = [sorted((p.logit_bias or {}).items()) for p in params]
+            bias_index = _token_index([[token_id for token_id, _ in row] for row in biases], None, device)
+            bias_values = row_vector([bias for row in biases for _, bias in row])
+
+        suppressed = [
+            sorted(eos | set(p.stop_token_ids)) if len(out) < p.min_tokens else []
+            for p, out, eos in zip(params, output_ids, eos_token_ids, strict=True)
+        ]
+        requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            temperature=row_vector([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]),
+            greedy=row_vector(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=vector_unless_all([p.min_p for p in params], 0.0),
+            repetition_penalty=vector_unless_all([p.repetition_penalty for p in params], 1.0),
+            presence_penalty=vector_unless_all([p.presence_penalty for p in params], 0.0),
+            frequency_penalty=vector_unless_all([p.frequency_penalty for p in params], 0.0),
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            bias_index=bias_index,
+            bias_values=bias_values,
+            suppress_index=_token_index(suppressed, None, device) if any(suppressed) else None,
+            seeded_rows=[(row, g) for row, g in enumerate(generators) if g is not None and not greedy[row]],
+            num_top_logprobs=min(max(requested_logprobs), vocab_size) if requested_logprobs else None,
+        )
+
+
+def _token_index(
+    token_ids: Sequence[Sequence[int]], rows_wanted: list[bool] | None, device: torch.device | str
+) -> TokenIndex:
+    """(rows, token_ids) of every token of every wanted row (all rows when rows_wanted is None)."""
+    rows = [r for r in range(len(token_ids)) if rows_wanted is None or rows_wanted[r]]
+    counts = torch.tensor([len(token_ids[r]) for r in rows], dtype=torch.int64, device=device)
+    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), counts)
+    flat = torch.tensor(list(chain.from_iterable(token_ids[r] for r in rows)), dtype=torch.int64, device=device)
+    return row_index, flat

@@ -1,0 +1,81 @@
+"""The batched sampler: [B, V] logits + a SamplingBatch -> one token id per row (and logprobs).
+
+It holds no engine state. Greedy rows take the argmax of their processed logits; when every row
+is greedy and nothing can move the argmax (no bias, suppression or penalty), it is one argmax of
+the raw logits. Sampled rows use the exponential race: token = argmax(probs / q) with
+q ~ Exponential(1) per token, which picks token i with probability probs[i]. A seeded request
+draws its q row from its own generator, so its tokens do not depend on its batch neighbours;
+all other rows share one draw from the global generator.
+
+Log-probabilities are of the RAW model distribution (log_softmax of the logits as given, before
+bias, penalties, temperature and filters), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling.batch import SamplingBatch
+from tokenmill.sampling.processing import processed_logits
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result for B rows."""
+
+    token_ids: torch.Tensor
+    """[B] int64: the chosen token of each row."""
+    logprobs: torch.Tensor | None
+    """[B] float32: raw log-probability of each chosen token; None if no row asked for logprobs."""
+    top_logprob_ids: torch.Tensor | None
+    """[B, K] int64, K = the most any row asked for (a row that asked for k uses its first k);
+    None if no row asked for top logprobs."""
+    top_logprobs: torch.Tensor | None
+    """[B, K] float32: raw log-probabilities of `top_logprob_ids`, most likely first."""
+
+
+class Sampler:
+    """Chooses the next token of every row; see the module docstring for the method."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.shape != (batch.num_rows, batch.vocab_size):
+            raise ValueError(
+                f"logits must have shape [{batch.num_rows}, {batch.vocab_size}] to match the batch, "
+                f"got {list(logits.shape)}"
+            )
+        if batch.all_greedy and not batch.needs_logit_processing:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = _choose(processed_logits(logits, batch), batch)
+
+        if batch.num_top_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        raw_logprobs = logits.float().log_softmax(dim=-1)
+        sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if batch.num_top_logprobs == 0:
+            return SamplerOutput(token_ids, sampled, None, None)
+        top = raw_logprobs.topk(batch.num_top_logprobs, dim=-1)
+        return SamplerOutput(token_ids, sampled, top.indices, top.values)
+
+
+def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Argmax on greedy rows, an exponential-race sample from softmax(logits) on the others."""
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_ids
+    probs = logits.softmax(dim=-1)
+    sampled_ids = probs.div_(exponential_noise(batch, logits.device)).argmax(dim=-1)
+    return torch.where(batch.greedy, greedy_ids, sampled_ids)
+
+
+def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    """[B, V] Exponential(1) draws: one global draw for all rows, then each sampled seeded row's
+    own draw from its generator (the only per-request Python work in the sampler)."""
+    noise = torch.empty(batch.num_rows, batch.vocab_size, device=device).exponential_()
+    for row, generator in batch.seeded_rows:
+        own = torch.empty(batch.vocab_size, device=generator.device).exponential_(generator=generator)
+        noise[row] = own.to(device)
+    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)

@@ -1,0 +1,301 @@
+"""Text <-> token ids: the tokenizer, the streaming detokenizer and chat templates.
+
+`load_tokenizer(path)` reads either a GGUF file (its tokenizer rebuilt to match llama.cpp, see
+`tokenizer_gguf`) or a Hugging Face folder (`tokenizer.json` plus the config files beside it).
+Both become one `Tokenizer` over an HF `tokenizers.Tokenizer`, so encoding, decoding and special
+tokens behave the same whatever the checkpoint format.
+
+`IncrementalDetokenizer` turns the ids a request generates into text deltas for streaming; chat
+templates render in a sandboxed Jinja environment configured like transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import tokenizers
+from tokenizers import processors
+
+from tokenmill.errors import CheckpointError, TokenmillError
+from tokenmill.tokenizer_gguf import TokenizerParts, gguf_tokenizer_parts
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model.
+
+    `eos_token_ids` is every id that ends generation: for GGUF files llama.cpp's end-of-generation
+    set (EOS, EOT, EOM and known end-of-turn tokens such as "<|im_end|>"); for HF folders the
+    tokenizer's EOS plus `generation_config.json`'s `eos_token_id`s.
+    """
+
+    def __init__(self, parts: TokenizerParts, source: str):
+        self._backend = parts.backend
+        self.source = source  # the file or folder it was read from, for messages
+        self.vocab_size: int = parts.backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = parts.bos_token_id
+        self.eos_token_id: int | None = parts.eos_token_id
+        self.eos_token_ids: frozenset[int] = parts.eos_token_ids
+        self.pad_token_id: int | None = parts.pad_token_id
+        self.chat_template: str | None = parts.chat_template
+        self._special_ids = frozenset(
+            tid for tid, token in parts.backend.get_added_tokens_decoder().items() if token.special
+        )
+        self._compiled: tuple[str, jinja2.Template] | None = None  # (source text, compiled)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special-token text in it ("<|im_start|>") becomes that token;
+        `add_special_tokens` adds the BOS/EOS the model declares."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; bytes that do not form UTF-8 become U+FFFD. Ids beyond the vocabulary
+        (a model's padded embedding rows) decode to nothing."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id`, as stored (e.g. "Ġthe" in a byte-level vocabulary)."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise TokenmillError(f"token id {token_id} is outside the vocabulary of {self.source} ({self.vocab_size})")
+        return token
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `decode(..., skip_special_tokens=True)` leaves this token out (control tokens)."""
+        return token_id in self._special_ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's chat template (the prompt text, or its ids when
+        `tokenize`; the template writes any BOS itself, so none is added)."""
+        if self.chat_template is None:
+            raise TokenmillError(
+                f"{self.source} has no chat template (tokenizer.chat_template in a GGUF file, "
+                "chat_template in tokenizer_config.json or chat_template.jinja in a folder)"
+            )
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            self._compiled = (self.chat_template, compile_chat_template(self.chat_template, self.source))
+        special = {
+            name: self._backend.id_to_token(tid)
+            for name, tid in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))
+            if tid is not None
+        }
+        text = render_chat_template(
+            self._compiled[1], self.source,
+            **special, **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+        )  # fmt: skip
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a `.gguf` file (vocab-only files included) or a Hugging Face folder."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"tokenizer path does not exist: {p}")
+    if p.is_dir():
+        return Tokenizer(_hf_folder_parts(p), str(p))
+    from tokenmill.checkpoint.gguf import GGUFCheckpoint
+
+    return Tokenizer(gguf_tokenizer_parts(GGUFCheckpoint(p).metadata, p), str(p))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_folder_parts(folder: Path) -> TokenizerParts:
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json (tokenmill reads the `tokenizers` file, not tokenizer.model "
+            "or vocab files; save the tokenizer with transformers to create it)"
+        )
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(f"{tokenizer_file} is not a readable tokenizer.json ({e})") from e
+    config = _read_json(folder / "tokenizer_config.json")
+
+    def token_id(field: str) -> int | None:
+        value = config.get(field)
+        text = value.get("content") if isinstance(value, dict) else value
+        if text is None:
+            return None
+        tid = backend.token_to_id(text)
+        if tid is None:
+            raise CheckpointError(f"{folder / 'tokenizer_config.json'}: {field} {text!r} is not in the vocabulary")
+        return tid
+
+    bos, eos, pad = token_id("bos_token"), token_id("eos_token"), token_id("pad_token")
+    if "add_bos_token" in config or "add_eos_token" in config:
+        # As transformers: explicit flags replace tokenizer.json's post-processor.
+        first = [bos] if config.get("add_bos_token") and bos is not None else []
+        last = [eos] if config.get("add_eos_token") and eos is not None else []
+        names = [f"<tokenmill_{i}>" for i in range(len(first) + len(last))]
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join([*names[: len(first)], "$A", *names[len(first):]]),
+            special_tokens=list(zip(names, [*first, *last], strict=True)),  # type: ignore[arg-type]
+        )
+    generation = _read_json(folder / "generation_config.json").get("eos_token_id")
+    extra_eos = generation if isinstance(generation, list) else [] if generation is None else [generation]
+    eos_ids = {int(t) for t in extra_eos} | ({eos} if eos is not None else set())
+    return TokenizerParts(
+        backend=backend,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        eos_token_ids=frozenset(eos_ids),
+        pad_token_id=pad,
+        chat_template=_hf_chat_template(folder, config),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not readable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} should hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """As transformers: chat_template.jinja, else chat_template.json, else tokenizer_config.json.
+    A list of named templates gives its "default" one."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template", config.get("chat_template"))
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+# ---------------------------------------------------------------------------------------------
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): renders
+    the body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+    # transformers' version: unlike Jinja's own, it does not HTML-escape
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def compile_chat_template(template: str, source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox; a syntax error names the checkpoint."""
+    try:
+        return _chat_environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenmillError(f"the chat template of {source} is not valid Jinja (line {e.lineno}: {e.message})") from e
+
+
+def render_chat_template(template: jinja2.Template, source: str, **variables: Any) -> str:
+    """Render a compiled chat template. Whatever goes wrong (a `raise_exception` in the template,
+    a missing field, an unsafe attribute the sandbox refuses) is a TokenmillError naming it."""
+    try:
+        return template.render(**variables)
+    except jinja2.sandbox.SecurityError as e:
+        raise TokenmillError(f"the chat template of {source} tried an unsafe operation: {e}") from e
+    except jinja2.TemplateError as e:
+        raise TokenmillError(f"the chat template of {source} failed: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming detokenization
+# ---------------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas, one step at a time.
+
+    Invariant: the deltas of every `step` plus `flush` concatenate to
+    `tokenizer.decode(output_ids, skip_special_tokens)` when there is no prompt; with `prompt_ids`
+    they are the text the output adds after the prompt, i.e. `decode(prompt + output)` minus
+    `decode(prompt)` (so a SentencePiece "▁Hello" right after the prompt gives " Hello").
+
+    How: decode a short window of ids ending at the newest one, and emit what it adds beyond the
+    window's previously emitted part. A window whose text ends in U+FFFD ends inside a UTF-8
+    sequence (a character split over byte tokens) and is held back until more ids complete it.
+
+        ids:   ... | prefix_offset ...... read_offset | new ids |
+                     decoded before (prefix_text)       emitted now = decode(window) - prefix_text
+    """
+
+    _PROMPT_CONTEXT = 6  # prompt ids decoded with the first step, so the output is not "first"
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids[-self._PROMPT_CONTEXT:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """The text `new_token_ids` add; "" while they end inside an incomplete character."""
+        self._ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: whatever was held back (U+FFFD for bytes never completed)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        text = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        if not final and (text.endswith("\ufffd") or not text.startswith(prefix_text)):
+            return ""
+        common = len(prefix_text) if text.startswith(prefix_text) else len(os.path.commonprefix([prefix_text, text]))
+        # Only the ids emitted last stay as context: the window never grows past one step.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return text[common:]

@@ -1,0 +1,599 @@
+"""Tests for tokenmill.sampling: parameter validation, the batched sampler, stop strings.
+
+The sampler tests check exact logits and surviving-token sets on hand-built distributions, and
+sampling frequencies against the distribution the sampler claims to draw from.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.errors import TokenmillError
+from tokenmill.sampling import (
+    Sampler,
+    SamplingBatch,
+    SamplingParams,
+    SamplingParamsError,
+    StopStringMatcher,
+)
+from tokenmill.sampling.processing import processed_logits
+
+INF = float("inf")
+
+
+def make_batch(
+    params: list[SamplingParams],
+    vocab_size: int,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+    eos: frozenset[int] | list[frozenset[int]] = frozenset(),
+) -> SamplingBatch:
+    num_rows = len(params)
+    return SamplingBatch.build(
+        params,
+        prompt_ids=prompts or [[] for _ in range(num_rows)],
+        output_ids=outputs or [[] for _ in range(num_rows)],
+        generators=generators or [None] * num_rows,
+        vocab_size=vocab_size,
+        eos_token_ids=eos,
+        device="cpu",
+    )
+
+
+def kept(logits_row: torch.Tensor) -> set[int]:
+    """Token ids a processed logits row still allows."""
+    return set(torch.isfinite(logits_row).nonzero().flatten().tolist())
+
+
+# --------------------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("n", {"n": 0}),
+        ("n", {"n": 1.5}),
+        ("n", {"n": True}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": 2.0}),
+        ("min_tokens", {"min_tokens": -1}),
+        ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
+        ("temperature", {"temperature": -0.1}),
+        ("temperature", {"temperature": math.nan}),
+        ("temperature", {"temperature": INF}),
+        ("temperature", {"temperature": "1"}),
+        ("top_k", {"top_k": -2}),
+        ("top_k", {"top_k": 2.0}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.01}),
+        ("min_p", {"min_p": -0.01}),
+        ("min_p", {"min_p": 1.01}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("repetition_penalty", {"repetition_penalty": -1.0}),
+        ("presence_penalty", {"presence_penalty": 2.01}),
+        ("presence_penalty", {"presence_penalty": -2.01}),
+        ("frequency_penalty", {"frequency_penalty": 2.01}),
+        ("frequency_penalty", {"frequency_penalty": -2.01}),
+        ("logit_bias", {"logit_bias": {1: 100.5}}),
+        ("logit_bias", {"logit_bias": {"2": -101}}),
+        ("logit_bias", {"logit_bias": {"x": 1.0}}),
+        ("logit_bias", {"logit_bias": {"-1": 1.0}}),
+        ("logit_bias", {"logit_bias": {-1: 1.0}}),
+        ("logit_bias", {"logit_bias": [1.0]}),
+        ("seed", {"seed": 1.5}),
+        ("seed", {"seed": 2**64}),
+        ("stop", {"stop": ""}),
+        ("stop", {"stop": ["ok", ""]}),
+        ("stop", {"stop": [1]}),
+        ("stop_token_ids", {"stop_token_ids": [-1]}),
+        ("stop_token_ids", {"stop_token_ids": 5}),
+        ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
+        ("ignore_eos", {"ignore_eos": "yes"}),
+        ("logprobs", {"logprobs": -1}),
+        ("logprobs", {"logprobs": 21}),
+        ("skip_special_tokens", {"skip_special_tokens": None}),
+    ],
+)
+def test_invalid_params_name_the_field(field: str, kwargs: dict) -> None:
+    with pytest.raises(SamplingParamsError, match=rf"^{field}\b") as info:
+        SamplingParams(**kwargs)
+    assert info.value.field.startswith(field)
+    assert isinstance(info.value, TokenmillError)
+
+
+def test_boundary_values_are_accepted() -> None:
+    params = SamplingParams(
+        max_tokens=3,
+        min_tokens=3,
+        temperature=0,
+        top_k=-1,
+        top_p=1,
+        min_p=1,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logit_bias={0: -100, 1: 100},
+        seed=0,
+        logprobs=20,
+    )
+    assert params.top_k == 0  # -1 is stored as the one spelling of "disabled"
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
+    assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_normalization() -> None:
+    params = SamplingParams(logit_bias={"5": 2, 7: -1.5}, stop="###")
+    assert params.logit_bias == {5: 2.0, 7: -1.5}
+    assert all(type(k) is int and type(v) is float for k, v in params.logit_bias.items())
+    assert params.stop == ["###"]
+    defaults = SamplingParams()
+    assert defaults.stop == [] and defaults.stop_token_ids == [] and defaults.logit_bias is None
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop == ["a", "b"]
+
+
+def test_is_greedy() -> None:
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=9e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def test_validate_for_vocab() -> None:
+    SamplingParams(logit_bias={9: 1.0}, stop_token_ids=[9]).validate_for_vocab(10)
+    with pytest.raises(SamplingParamsError, match=r"^logit_bias .*\[0, 10\)"):
+        SamplingParams(logit_bias={"10": 1.0}).validate_for_vocab(10)
+    with pytest.raises(SamplingParamsError, match=r"^stop_token_ids .*\[0, 10\)"):
+        SamplingParams(stop_token_ids=[3, 10]).validate_for_vocab(10)
+
+
+# --------------------------------------------------------------------------- greedy, temperature
+
+
+def test_all_greedy_is_argmax_and_leaves_logits_alone() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    before = logits.clone()
+    batch = make_batch([SamplingParams(temperature=0)] * 5, 50)
+    out = Sampler()(logits, batch)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.token_ids.dtype == torch.int64
+    assert out.logprobs is None and out.top_logprob_ids is None and out.top_logprobs is None
+    assert torch.equal(logits, before)
+    bf16 = logits.to(torch.bfloat16)
+    assert torch.equal(Sampler()(bf16, batch).token_ids, bf16.float().argmax(-1))
+
+
+def test_greedy_row_in_mixed_batch_uses_processed_logits() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.9], [5.0, 1.0, 0.0, 4.9], [5.0, 1.0, 0.0, 4.9]])
+    params = [
+        SamplingParams(temperature=0, logit_bias={2: 10.0}),
+        SamplingParams(temperature=0, top_k=1, repetition_penalty=2.0),
+        SamplingParams(temperature=1.0),
+    ]
+    batch = make_batch(params, 4, prompts=[[], [0], []])
+    token_ids = Sampler()(logits, batch).token_ids
+    assert token_ids[0] == 2  # the bias moved the argmax
+    assert token_ids[1] == 3  # the penalty halved token 0's logit: 2.5 < 4.9
+    greedy_fast = Sampler()(logits, make_batch([SamplingParams(temperature=0)] * 3, 4)).token_ids
+    assert greedy_fast.tolist() == [0, 0, 0]
+    # Near-flat logits: greedy rows next to a sampled row still never leave the argmax.
+    flat = torch.tensor([1.0, 0.99, 0.98, 0.97]).repeat(201, 1)
+    params = [SamplingParams(temperature=0)] * 200 + [SamplingParams(temperature=1.0)]
+    assert (Sampler()(flat, make_batch(params, 4)).token_ids[:200] == 0).all()
+
+
+def test_temperature_scales_the_distribution() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 20)
+    params = [SamplingParams(temperature=t) for t in (0.5, 2.0, 0.0)]
+    processed = processed_logits(logits, make_batch(params, 20))
+    for row, temperature in enumerate((0.5, 2.0)):
+        expected = torch.softmax(logits[row] / temperature, dim=-1)
+        torch.testing.assert_close(processed[row].softmax(-1), expected)
+    assert torch.equal(processed[2], logits[2])  # greedy rows are never divided
+
+
+def test_processed_logits_do_not_modify_input() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    params = [SamplingParams(temperature=0.5, top_k=1, logit_bias={0: 1.0}, presence_penalty=1.0)]
+    processed_logits(logits, make_batch(params, 3, outputs=[[1]]))
+    assert logits.tolist() == [[1.0, 2.0, 3.0]]
+
+
+# --------------------------------------------------------------------------- top-k, top-p, min-p
+
+TIED = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.0, -1.0])
+
+
+@pytest.mark.parametrize(
+    ("top_k", "survivors"),
+    [
+        (1, {0}),
+        (2, {0, 2, 3}),  # the 2nd largest logit is tied: both copies survive
+        (3, {0, 2, 3}),
+        (4, {0, 1, 2, 3}),
+        (6, {0, 1, 2, 3, 4, 5}),
+        (100, {0, 1, 2, 3, 4, 5}),  # larger than the vocabulary: keep all
+        (0, {0, 1, 2, 3, 4, 5}),
+        (-1, {0, 1, 2, 3, 4, 5}),
+    ],
+)
+def test_top_k_survivors(top_k: int, survivors: set[int]) -> None:
+    params = [SamplingParams(top_k=top_k), SamplingParams(top_k=1)]
+    processed = processed_logits(TIED.repeat(2, 1), make_batch(params, 6))
+    assert kept(processed[0]) == survivors
+    assert kept(processed[1]) == {0}  # per-row k
+    assert torch.equal(processed[0][list(survivors)], TIED[list(survivors)])
+
+
+DYADIC = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+
+
+@pytest.mark.parametrize(
+    ("top_p", "survivors"),
+    [
+        (0.3, {0}),
+        (0.5, {0}),  # cumulative 0.5 >= 0.5: one token is enough
+        (0.5001, {0, 1}),
+        (0.75, {0, 1}),
+        (0.8, {0, 1, 2}),
+        (0.875, {0, 1, 2}),
+        (0.9, {0, 1, 2, 3, 4}),  # token 3 is needed and token 4 ties with it
+        (1.0, {0, 1, 2, 3, 4}),
+    ],
+)
+def test_top_p_survivors(top_p: float, survivors: set[int]) -> None:
+    logits = DYADIC.log()
+    assert logits.softmax(-1).tolist() == DYADIC.tolist()  # boundaries below are exact in float32
+    processed = processed_logits(logits.unsqueeze(0), make_batch([SamplingParams(top_p=top_p)], 5))
+    assert kept(processed[0]) == survivors
+
+
+def test_top_p_ties_and_top_p_one_keeps_negligible_tokens() -> None:
+    logits = torch.tensor([0.4, 0.2, 0.2, 0.2]).log()
+    processed = processed_logits(logits.repeat(2, 1), make_batch([SamplingParams(top_p=0.5)] * 2, 4))
+    assert kept(processed[0]) == {0, 1, 2, 3}
+    # A token of probability ~1e-17: the float32 cumsum reaches 1.0 before it, yet top_p=1 keeps it.
+    logits = torch.tensor([10.0, 10.0, -30.0])
+    batch = make_batch([SamplingParams(top_p=1.0), SamplingParams(top_p=0.999999, top_k=3)], 3)
+    processed = processed_logits(logits.repeat(2, 1), batch)
+    assert kept(processed[0]) == {0, 1, 2}
+    assert kept(processed[1]) == {0, 1}
+
+
+def test_top_p_sees_the_distribution_renormalized_after_top_k() -> None:
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    # After top_k=2 the head is 4/7 = 0.571 >= 0.55, so one token; unrenormalized 0.4 would need two.
+    batch = make_batch([SamplingParams(top_k=2, top_p=0.55), SamplingParams(top_p=0.55)], 4)
+    processed = processed_logits(logits.repeat(2, 1), batch)
+    assert kept(processed[0]) == {0}
+    assert kept(processed[1]) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("min_p", "temperature", "survivors"),
+    [
+        (0.0, 1.0, {0, 1, 2, 3}),
+        (0.25, 1.0, {0, 1, 2}),  # threshold 0.125: 0.15 stays, 0.1 goes
+        (0.45, 1.0, {0, 1}),
+        (0.4, 1.0, {0, 1}),
+        (0.4, 2.0, {0, 1, 2, 3}),  # T=2: ratios sqrt(p/p_max) = 1, .71, .55, .45, all >= 0.4
+        (1.0, 1.0, {0}),
+    ],
+)
+def test_min_p_survivors(min_p: float, temperature: float, survivors: set[int]) -> None:
+    logits = torch.tensor([[0.5, 0.25, 0.15, 0.1]]).log()
+    params = [SamplingParams(min_p=min_p, temperature=temperature)]
+    assert kept(processed_logits(logits, make_batch(params, 4))[0]) == survivors
+
+
+def test_min_p_one_keeps_tied_maxima() -> None:
+    logits = torch.tensor([[2.0, 2.0, 1.0]])
+    assert kept(processed_logits(logits, make_batch([SamplingParams(min_p=1.0)], 3))[0]) == {0, 1}
+
+
+# Upper 0.1% points of the chi-square distribution by degrees of freedom.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def assert_frequencies_match(samples: torch.Tensor, expected: torch.Tensor) -> None:
+    """Chi-square goodness of fit of integer samples to `expected` (zero-probability tokens must
+    never appear)."""
+    counts = torch.bincount(samples, minlength=len(expected)).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"sampled filtered tokens: {counts.tolist()}"
+    want = expected[support].double() * len(samples)
+    chi2 = ((counts[support] - want) ** 2 / want).sum().item()
+    assert chi2 < CHI2_999[int(support.sum()) - 1], (chi2, counts.tolist(), want.tolist())
+
+
+def test_sampling_frequencies_match_the_filtered_distribution() -> None:
+    torch.manual_seed(1234)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    num_draws = 20000
+    # top_k=4 keeps tokens 0-3; temperature 0.8 then renormalize by hand.
+    expected = torch.zeros(6)
+    expected[:4] = torch.softmax(logits[:4] / 0.8, dim=-1)
+    params = [SamplingParams(temperature=0.8, top_k=4)] * num_draws
+    samples = Sampler()(logits.repeat(num_draws, 1), make_batch(params, 6)).token_ids
+    assert_frequencies_match(samples, expected)
+
+    params = [SamplingParams(temperature=1.3, top_p=0.8, min_p=0.2, presence_penalty=0.5)] * num_draws
+    batch = make_batch(params, 6, outputs=[[0]] * num_draws)
+    expected = processed_logits(logits.unsqueeze(0), make_batch(params[:1], 6, outputs=[[0]]))[0].softmax(-1)
+    assert 2 <= int((expected > 0).sum()) < 6  # the filters really removed tokens
+    samples = Sampler()(logits.repeat(num_draws, 1), batch).token_ids
+    assert_frequencies_match(samples, expected)
+
+
+def test_seeded_sampling_frequencies() -> None:
+    logits = torch.tensor([[1.0, 0.0, -0.5, 0.5]])
+    generator = torch.Generator().manual_seed(99)
+    batch = make_batch([SamplingParams(seed=99, top_k=3)], 4, generators=[generator])
+    samples = torch.cat([Sampler()(logits, batch).token_ids for _ in range(3000)])
+    expected = torch.zeros(4)
+    expected[[0, 1, 3]] = torch.softmax(logits[0, [0, 1, 3]], dim=-1)
+    assert_frequencies_match(samples, expected)
+
+
+# --------------------------------------------------------------------------- penalties and bias
+
+PENALTY_LOGITS = torch.tensor([1.0, 2.0, -1.0, 3.0, -2.0, 0.5])
+PROMPT = [1, 1, 2]  # tokens 1 and 2 seen in the prompt
+OUTPUT = [2, 3, 3, 3]  # token 2 once and token 3 three times in the output
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, [1.0, 2.0, -1.0, 3.0, -2.0, 0.5]),
+        # prompt and output tokens {1, 2, 3}: positive / 2, negative * 2
+        ({"repetition_penalty": 2.0}, [1.0, 1.0, -2.0, 1.5, -2.0, 0.5]),
+        ({"repetition_penalty": 0.5}, [1.0, 4.0, -0.5, 6.0, -2.0, 0.5]),
+        # output tokens only, once each
+        ({"presence_penalty": 0.5}, [1.0, 2.0, -1.5, 2.5, -2.0, 0.5]),
+        # output tokens only, once per occurrence
+        ({"frequency_penalty": 0.5}, [1.0, 2.0, -1.5, 1.5, -2.0, 0.5]),
+        ({"frequency_penalty": -1.0}, [1.0, 2.0, 0.0, 6.0, -2.0, 0.5]),
+        # repetition first, then frequency, then presence
+        (
+            {"repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+            [1.0, 1.0, -3.0, -0.5, -2.0, 0.5],
+        ),
+        ({"logit_bias": {0: 2.5, "5": -100}}, [3.5, 2.0, -1.0, 3.0, -2.0, -99.5]),
+        # bias first, then the penalty on the biased logit: token 2 is (-1 + 5) / 2 = 2, not -1 * 2 + 5
+        ({"logit_bias": {2: 5.0, 4: 1.0}, "repetition_penalty": 2.0}, [1.0, 1.0, 2.0, 1.5, -1.0, 0.5]),
+    ],
+)
+def test_penalties_and_bias_exact_logits(kwargs: dict, expected: list[float]) -> None:
+    params = [SamplingParams(**kwargs), SamplingParams(presence_penalty=1.0, repetition_penalty=3.0)]
+    batch = make_batch(params, 6, prompts=[PROMPT, [0]], outputs=[OUTPUT, [5, 5]])
+    processed = processed_logits(PENALTY_LOGITS.repeat(2, 1), batch)
+    assert processed[0].tolist() == expected
+    # The neighbour row is penalized by its own tokens only (prompt 0, output 5 twice).
+    torch.testing.assert_close(processed[1], torch.tensor([1.0 / 3, 2.0, -1.0, 3.0, -2.0, 0.5 / 3 - 1.0]))
+
+
+# --------------------------------------------------------------------------- min_tokens
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_suppresses_eos_and_stop_token_ids(ignore_eos: bool) -> None:
+    vocab_size, eos = 8, 7
+    logits = torch.zeros(4, vocab_size)
+    logits[:, eos] = 50.0
+    logits[:, 5] = 49.0
+    params = [SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=ignore_eos, temperature=0)] * 4
+    outputs = [[], [1], [1, 2], [1, 2, 3]]
+    batch = make_batch(params, vocab_size, outputs=outputs, eos=frozenset({eos}))
+    processed = processed_logits(logits, batch)
+    for row in range(3):
+        assert kept(processed[row]) == {0, 1, 2, 3, 4, 6}
+    assert kept(processed[3]) == set(range(vocab_size))
+    assert Sampler()(logits, batch).token_ids.tolist() == [0, 0, 0, eos]
+
+
+def test_min_tokens_uses_each_rows_eos_ids() -> None:
+    params = [SamplingParams(min_tokens=1, temperature=0.7), SamplingParams(min_tokens=1)]
+    batch = make_batch(params, 6, eos=[frozenset({4}), frozenset({1, 5})])
+    processed = processed_logits(torch.zeros(2, 6), batch)
+    assert kept(processed[0]) == {0, 1, 2, 3, 5}
+    assert kept(processed[1]) == {0, 2, 3, 4}
+    # Sampled rows never draw a suppressed token even when it dominates.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 30.0, 0.0]]).repeat(500, 1)
+    batch = make_batch([SamplingParams(min_tokens=1)] * 500, 6, eos=frozenset({4}))
+    assert (Sampler()(logits, batch).token_ids != 4).all()
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def run_steps(
+    rows: list[tuple[SamplingParams, torch.Tensor]], seeded_row: int, steps: int, global_seed: int
+) -> list[int]:
+    """Sample `steps` tokens for a batch; return the tokens of `seeded_row`. Each row's logits for
+    step s are logits[s]."""
+    torch.manual_seed(global_seed)
+    generators = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p, _ in rows]
+    params = [p for p, _ in rows]
+    vocab_size = rows[0][1].shape[1]
+    batch = make_batch(params, vocab_size, generators=generators)
+    sampler = Sampler()
+    tokens = []
+    for step in range(steps):
+        logits = torch.stack([row_logits[step] for _, row_logits in rows])
+        tokens.append(int(sampler(logits, batch).token_ids[seeded_row]))
+    return tokens
+
+
+def test_seeded_row_is_independent_of_its_batch() -> None:
+    steps, vocab_size = 25, 64
+    torch.manual_seed(0)
+    mine = torch.randn(steps, vocab_size)
+    other = torch.randn(steps, vocab_size)
+    seeded = SamplingParams(seed=42, temperature=0.9, top_p=0.95)
+    alone = run_steps([(seeded, mine)], 0, steps, global_seed=1)
+    with_neighbours = run_steps(
+        [
+            (SamplingParams(temperature=1.5), other),
+            (SamplingParams(temperature=0), other),
+            (seeded, mine),
+            (SamplingParams(seed=7, top_k=5), other),
+        ],
+        2,
+        steps,
+        global_seed=2,
+    )
+    first_of_three = run_steps(
+        [(seeded, mine), (SamplingParams(), other), (SamplingParams(presence_penalty=1.0), mine)],
+        0,
+        steps,
+        global_seed=3,
+    )
+    assert alone == with_neighbours == first_of_three
+    other_seed = run_steps([(SamplingParams(seed=43, temperature=0.9, top_p=0.95), mine)], 0, steps, 1)
+    assert other_seed != alone
+    unseeded = [run_steps([(SamplingParams(temperature=0.9), mine)], 0, steps, s) for s in (1, 2)]
+    assert unseeded[0] != unseeded[1]  # the global generator is used for unseeded rows
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(3, 30)
+    params = [
+        SamplingParams(temperature=0.5, repetition_penalty=1.5, logit_bias={3: 20.0}),
+        SamplingParams(logprobs=0, top_k=3),
+        SamplingParams(logprobs=5, temperature=0, presence_penalty=2.0),
+    ]
+    out = Sampler()(logits, make_batch(params, 30, prompts=[[1, 2], [], []], outputs=[[3], [4], [5]]))
+    raw = logits.log_softmax(-1)
+    assert out.token_ids[0] == 3  # the bias decided the token ...
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1))
+    assert out.top_logprob_ids.shape == (3, 5)
+    top = raw.topk(5, dim=-1)
+    assert torch.equal(out.top_logprob_ids, top.indices)
+    torch.testing.assert_close(out.top_logprobs, top.values)
+    assert out.top_logprobs.dtype == torch.float32
+
+
+def test_logprobs_only_sampled_and_bf16_input() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(2, 40).to(torch.bfloat16)
+    out = Sampler()(logits, make_batch([SamplingParams(logprobs=0, temperature=0)] * 2, 40))
+    assert out.top_logprob_ids is None and out.top_logprobs is None
+    raw = logits.float().log_softmax(-1)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1))
+    assert out.logprobs.dtype == torch.float32
+
+
+def test_batch_and_logits_shape_are_checked() -> None:
+    with pytest.raises(ValueError, match="one prompt, output, generator and EOS set per request"):
+        SamplingBatch.build([SamplingParams()], [[1], [2]], [[]], [None], 10, frozenset(), "cpu")
+    batch = make_batch([SamplingParams()], 10)
+    with pytest.raises(ValueError, match=r"logits must have shape \[1, 10\]"):
+        Sampler()(torch.zeros(1, 11), batch)
+
+
+# --------------------------------------------------------------------------- stop strings
+
+
+def stream(matcher: StopStringMatcher, deltas: list[str]) -> tuple[str, bool]:
+    """Feed deltas until a stop; return (all emitted text, stopped)."""
+    emitted = []
+    for delta in deltas:
+        text, stopped = matcher.feed(delta)
+        emitted.append(text)
+        if stopped:
+            return "".join(emitted), True
+    return "".join(emitted) + matcher.flush(), False
+
+
+def test_stop_split_across_deltas_is_never_emitted() -> None:
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("hello ST") == ("hello ", False)
+    assert matcher.feed("O") == ("", False)
+    assert matcher.feed("P and more") == ("", True)
+    assert matcher.matched == "STOP"
+    with pytest.raises(RuntimeError):
+        matcher.feed("x")
+
+
+def test_held_text_is_released_when_it_stops_matching() -> None:
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("ST") == ("", False)
+    assert matcher.feed("AR") == ("STAR", False)
+    assert matcher.feed("S") == ("", False)
+    assert matcher.flush() == "S"
+    assert matcher.matched is None
+
+
+def test_overlapping_prefixes() -> None:
+    matcher = StopStringMatcher(["aab"])
+    assert matcher.feed("aa") == ("", False)
+    assert matcher.feed("a") == ("a", False)  # "aaa": only the last "aa" can still start "aab"
+    assert matcher.feed("ab") == ("a", True)
+    assert matcher.matched == "aab"
+
+
+def test_earliest_completed_stop_wins() -> None:
+    assert stream(StopStringMatcher(["world", "lo"]), ["hello world"]) == ("hel", True)
+    # Both end at "c": the one starting first wins.
+    matcher = StopStringMatcher(["bc", "abc"])
+    assert stream(matcher, ["xabcd"]) == ("x", True) and matcher.matched == "abc"
+    # "bc" is complete before "abcd" could be, whatever the split.
+    for deltas in (["abcd"], ["a", "b", "c", "d"], ["ab", "cd"]):
+        matcher = StopStringMatcher(["abcd", "bc"])
+        assert stream(matcher, deltas) == ("a", True) and matcher.matched == "bc"
+
+
+def test_include_stop_str_in_output() -> None:
+    matcher = StopStringMatcher(["STOP"], include_stop_str_in_output=True)
+    assert matcher.feed("hello ST") == ("hello ST", False)  # nothing needs holding back
+    assert matcher.feed("OP more") == ("OP", True)
+    matcher = StopStringMatcher(["\n\n", "###"], include_stop_str_in_output=True)
+    assert stream(matcher, ["a\n", "\nb###"]) == ("a\n\n", True)
+
+
+def test_no_stop_strings_passes_text_through() -> None:
+    matcher = StopStringMatcher([])
+    assert matcher.feed("abc") == ("abc", False)
+    assert matcher.flush() == ""
+    with pytest.raises(SamplingParamsError, match="^stop"):
+        StopStringMatcher(["ok", ""])
+
+
+def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    """Scan the text one character at a time, as a token-by-token stream would see it."""
+    for end in range(1, len(text) + 1):
+        complete = [s for s in stops if text[:end].endswith(s)]
+        if complete:
+            stop = max(complete, key=len)  # same end: the longest starts earliest
+            return text[: end if include else end - len(stop)], stop
+    return text, None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\nc", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\nc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=8),
+    include=st.booleans(),
+)
+def test_streamed_output_equals_truncated_text(text: str, stops: list[str], cuts: list[int], include: bool) -> None:
+    points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    deltas = [text[a:b] for a, b in pairwise(points)]
+    matcher = StopStringMatcher(stops, include_stop_str_in_output=include)
+    emitted, stopped = stream(matcher, deltas)
+    expected, expected_stop = reference_stop(text, stops, include)
+    assert emitted == expected
+    assert stopped == (expected_stop is not None)
+    assert matcher.matched == expected_stop

@@ -102,22 +102,14 @@ def test_default_model_matches_transformers(smol, smol_reference):
 
 def test_default_model_splits_digits_like_llama_cpp(smol, smol_reference):
     """Against SmolLM2's original pre-tokenizer (the one llama.cpp's "smollm" regexes reproduce)."""
-    original = smol_reference.backend_tokenizer
+    original = HFTokenizer.from_str(smol_reference.backend_tokenizer.to_str())
     original.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     for text in CORPUS + SPECIAL_CORPUS:
         assert smol.encode(text, add_special_tokens=False) == original.encode(text, add_special_tokens=False).ids
     for text in TRANSFORMERS_MISSES_DIGIT_SPLIT:  # the documented disagreement is real
-        stock = smol_reference.__class__.from_pretrained  # noqa: F841 (reference kept unpatched below)
-        assert smol.encode(text, add_special_tokens=False) != _stock_transformers_ids(smol_reference, text)
-
-
-def _stock_transformers_ids(reference, text: str) -> list[int]:
-    """transformers' conversion as shipped: its GPT-2 ByteLevel pre-tokenizer."""
-    backend = HFTokenizer.from_str(reference.backend_tokenizer.to_str())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return backend.encode(text, add_special_tokens=False).ids
+        assert smol.encode(text, add_special_tokens=False) != smol_reference.encode(text, add_special_tokens=False)
 
 
 def test_default_model_special_tokens(smol, smol_reference):
@@ -294,6 +286,54 @@ def test_pre_tokenizer_regexes_split_as_llama_cpp():
     assert not PRE_TOKENIZERS["smollm"].add_bos
 
 
+def _tiny_vocab(model: str, tokens: list[str], types: list[int], merges: list[str], **ids: int):
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model(model)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        for name, tid in ids.items():
+            w.add_uint32(f"tokenizer.ggml.{name}", tid)
+
+    return fill
+
+
+def test_end_of_generation_and_token_kinds_follow_llama_cpp(tmp_path):
+    """Hand-checked against llama_vocab::impl::load's rules."""
+    tokens = [
+        "a",
+        "b",
+        "ab",
+        "<|return|>",
+        "<|call|>",
+        "<|end|>",
+        "<|channel|>",
+        "<|fim_pad|>",
+        "<think>",
+        "<|im_end|>",
+    ]
+    types = [1, 1, 1, 3, 3, 3, 3, 1, 4, 1]  # "<|fim_pad|>" and "<|im_end|>" mislabeled normal
+    fill = _tiny_vocab("gpt2", tokens, types, ["a b"], eos_token_id=3)
+    tok = load_tokenizer(write_gguf(tmp_path / "eog.gguf", fill, arch="gpt2"))
+    # EOS, "<|call|>" and "<|im_end|>" by text, "<|fim_pad|>" as the FIM pad token; "<|end|>" is not one
+    # when "<|return|>" and "<|call|>" exist (gpt-oss), and it and "<|channel|>" are always rendered
+    assert tok.eos_token_ids == {3, 4, 7, 9}
+    assert [i for i in range(len(tokens)) if tok.is_special(i)] == [3, 4, 7, 9]
+    assert tok.encode("ab<think>b<|im_end|><|fim_pad|>") == [2, 8, 1, 9, 7]  # all matched whole
+    assert tok.decode([0, 6, 5, 8, 3, 9], skip_special_tokens=True) == "a<|channel|><|end|><think>"
+
+
+def test_gemma4_style_vocabulary(tmp_path):
+    """Raw UTF-8 BPE with spaces as "▁", <0xXX> byte fallback, and the BOS llama.cpp forces on."""
+    tokens = ["<pad>", "<eos>", "<bos>", "\u2581", "a", "b", "\u2581a", "\u2581ab", "\n", "<0x63>"]
+    fill = _tiny_vocab("gemma4", tokens, [3, 3, 3, 1, 1, 1, 1, 1, 1, 6], ["\u2581 a", "\u2581a b"], bos_token_id=2)
+    tok = load_tokenizer(write_gguf(tmp_path / "gemma4.gguf", fill, arch="gemma4"))
+    assert tok.encode("a b\nc") == [2, 4, 3, 5, 8, 9]  # "c" is not a token: its byte is
+    assert tok.encode(" ab", add_special_tokens=False) == [7]
+    assert tok.decode([2, 4, 3, 5, 8, 9], skip_special_tokens=True) == "a b\nc"
+    assert tok.eos_token_ids == {1}  # "<eos>" by its text
+
+
 # ---------------------------------------------------------------------------------------------
 # WordPiece ("bert") vs transformers' BertTokenizerFast
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +360,10 @@ def wordpiece(tmp_path_factory):
     def fill(w: gguf.GGUFWriter) -> None:
         # llama.cpp's converter (BertModel.set_vocab): "##x" -> "x", other non-control tokens -> "▁x"
         w.add_tokenizer_model("bert")
-        w.add_token_list([t if k == 3 else t[2:] if t.startswith("##") else "\u2581" + t for t, k in zip(tokens, types, strict=True)])
+        spelled = [
+            t if k == 3 else t[2:] if t.startswith("##") else "\u2581" + t for t, k in zip(tokens, types, strict=True)
+        ]
+        w.add_token_list(spelled)
         w.add_token_types(types)
         gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(w)  # [CLS] as BOS, [SEP], flags
 
@@ -362,17 +405,21 @@ def _chunkings(n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("which", ["smol", "spm"])
 def test_incremental_detokenizer_matches_decode(which, request):
-    tok = request.getfixturevalue("smol") if which == "smol" else load_tokenizer(request.getfixturevalue("spm_model")[1])
-    special = "<|im_start|>" if which == "smol" else "<s>"
+    if which == "smol":
+        tok, special = request.getfixturevalue("smol"), "<|im_start|>"
+    else:
+        tok, special = load_tokenizer(request.getfixturevalue("spm_model")[1]), "<s>"
+    partial_tokens = 0
     for n, text in enumerate(MULTIBYTE + [f"{special}{MULTIBYTE[0]}{special} tail"]):
         ids = tok.encode(text, add_special_tokens=False)
-        assert len(ids) > len(text.encode()) // 4  # characters really are split over byte tokens
+        partial_tokens += sum("\ufffd" in tok.decode([i]) for i in ids)
         for skip in (True, False):
             full = tok.decode(ids, skip_special_tokens=skip)
             for chunks in _chunkings(len(ids), seed=n):
                 deltas = _stream(tok, ids, chunks, skip)
                 assert "".join(deltas) == full
                 assert not any("\ufffd" in d for d in deltas)  # never a half character
+    assert partial_tokens > 10  # characters really were split over byte tokens
 
 
 def test_incremental_detokenizer_holds_back_and_flushes_incomplete_bytes(smol):
@@ -414,10 +461,11 @@ def test_chat_template_sandbox_and_helpers(byte_bpe):
     tok.chat_template = "{{ bos_token }}{{ messages[0] | tojson }}{{ strftime_now('%Y') | length }}{{ extra }}"
     assert tok.apply_chat_template(hi, extra="!") == '<|endoftext|>{"role": "user", "content": "<b>&\'"}4!'
     tok.chat_template = (
-        "{%- for m in messages %}\n  {%- if m.role == 'user' %}\n{{ m.content }}\n  {%- endif %}\n{%- endfor %}"
-        "{% generation %}{{ '.' }}{% endgeneration %}"
+        "{% for m in messages %}\n  {% if m.role == 'user' %}\n{{ m.content }}\n  {% endif %}\n{% endfor %}"
     )
-    assert tok.apply_chat_template(hi) == "<b>&'\n."  # trim_blocks / lstrip_blocks as transformers
+    assert tok.apply_chat_template(hi) == "<b>&'\n"  # trim_blocks and lstrip_blocks, as transformers
+    tok.chat_template = "{% generation %}{{ 'marked' }}{% endgeneration %}"  # transformers' tag, rendered as is
+    assert tok.apply_chat_template(hi) == "marked"
     tok.chat_template = "{% for %}"
     with pytest.raises(TokenmillError, match="not valid Jinja"):
         tok.apply_chat_template(hi)
@@ -431,12 +479,16 @@ def test_chat_template_sandbox_and_helpers(byte_bpe):
 def test_hf_folder(byte_bpe, tmp_path):
     from transformers import AutoTokenizer
 
-    reference, _ = byte_bpe
-    reference.save(str(tmp_path / "tokenizer.json"))
+    backend = HFTokenizer.from_str(byte_bpe[0].to_str())
+    im_start, im_end = backend.token_to_id("<|im_start|>"), backend.token_to_id("<|im_end|>")
+    plain = backend.encode("hello world").ids
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", im_start)]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
     config = {
-        "bos_token": {"content": "<|im_start|>", "special": True},
+        "bos_token": {"__type": "AddedToken", "content": "<|im_start|>", "special": True},
         "eos_token": "<|im_end|>",
-        "add_bos_token": True,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": [
             {"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"},
@@ -446,12 +498,27 @@ def test_hf_folder(byte_bpe, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     tok = load_tokenizer(tmp_path)
-    im_start, im_end = reference.token_to_id("<|im_start|>"), reference.token_to_id("<|im_end|>")
     assert (tok.bos_token_id, tok.eos_token_id) == (im_start, im_end)
     assert tok.eos_token_ids == {0, 2, im_end}
-    transformers_ids = AutoTokenizer.from_pretrained(tmp_path).encode("hello world")
-    assert tok.encode("hello world") == transformers_ids == [im_start, *reference.encode("hello world").ids]
-    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
+    # BOS from tokenizer.json's post-processor, as transformers does
+    assert (
+        tok.encode("hello world") == AutoTokenizer.from_pretrained(tmp_path).encode("hello world") == [im_start, *plain]
+    )
+    assert tok.encode("hello world", add_special_tokens=False) == plain
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"  # the "default" template
+
+    # Explicit add_bos_token / add_eos_token replace the post-processor (what transformers 4's Llama and
+    # Gemma tokenizers did and 5's TokenizersBackend.update_post_processor does; 5.24 ignores the flags
+    # for this tokenizer class).
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(config | {"add_bos_token": False, "add_eos_token": True})
+    )
+    assert load_tokenizer(tmp_path).encode("hello world") == [*plain, im_end]
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token"}))
+    no_eos = load_tokenizer(tmp_path)
+    assert (no_eos.eos_token_id, no_eos.eos_token_ids) == (0, {0, 2})  # generation_config.json's first
+
     (tmp_path / "chat_template.jinja").write_text("jinja file wins")
     assert load_tokenizer(tmp_path).apply_chat_template([]) == "jinja file wins"
 
@@ -485,10 +552,10 @@ def test_load_errors_name_the_file_and_field(tmp_path, byte_bpe):
         return fill
 
     cases = [
-        ("unknown-model.gguf", vocab("sentencepiece-v9"), r"unknown-model\.gguf.*tokenizer\.ggml\.model 'sentencepiece-v9'"),
-        ("unknown-pre.gguf", vocab("gpt2", "mystery-pre"), r"unknown-pre\.gguf.*tokenizer\.ggml\.pre = 'mystery-pre'"),
+        ("unknown-model.gguf", vocab("spm-v9"), r"unknown-model\.gguf.*tokenizer\.ggml\.model 'spm-v9'"),
+        ("unknown-pre.gguf", vocab("gpt2", "mystery"), r"unknown-pre\.gguf.*tokenizer\.ggml\.pre = 'mystery'"),
         ("duplicate.gguf", vocab("gpt2", "gpt-2", ("a", "b", "a")), r"duplicate\.gguf.*'a' twice"),
-        ("no-merges.gguf", lambda w: (w.add_tokenizer_model("gpt2"), w.add_token_list(["a"])), r"tokenizer\.ggml\.merges"),
+        ("no-merges.gguf", lambda w: (w.add_tokenizer_model("gpt2"), w.add_token_list(["a"])), r"ggml\.merges"),
     ]  # fmt: skip
     for name, fill, message in cases:
         with pytest.raises(CheckpointError, match=message):

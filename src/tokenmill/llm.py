@@ -6,6 +6,7 @@ together and batched by its scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.checkpoint import HFCheckpoint, open_checkpoint
+from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, open_checkpoint
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.output import OutputProcessor
@@ -55,7 +56,7 @@ class LLM:
         except TypeError as e:
             raise TokenmillError(f"LLM(): {e}") from e
         ckpt = open_checkpoint(path)
-        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or path)
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or (ckpt if isinstance(ckpt, GGUFCheckpoint) else path))
         self.generation_config = ckpt.generation_config if isinstance(ckpt, HFCheckpoint) else {}
         eos = set(self.tokenizer.eos_token_ids)
         gen_eos = self.generation_config.get("eos_token_id")
@@ -159,8 +160,17 @@ class LLM:
         try:
             while True:
                 for out in self._processor.process(self.engine.step()):
-                    yield out
+                    yield _snapshot(out)
                     if out.finished:
                         return
         finally:
             self._processor.abort(request_id)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy of `out` that later steps leave alone (the output processor updates `out` in place),
+    so a caller can keep each streamed output."""
+    return dataclasses.replace(out, outputs=[
+        dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
+        for o in out.outputs
+    ])

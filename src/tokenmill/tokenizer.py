@@ -25,6 +25,7 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import processors
 
+from tokenmill.checkpoint.gguf import GGUFCheckpoint
 from tokenmill.errors import CheckpointError, TokenmillError
 from tokenmill.tokenizer_gguf import TokenizerParts, gguf_tokenizer_parts
 
@@ -103,15 +104,17 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a `.gguf` file (vocab-only files included) or a Hugging Face folder."""
+def load_tokenizer(path: str | os.PathLike | GGUFCheckpoint) -> Tokenizer:
+    """The tokenizer of a `.gguf` file (vocab-only files included) or a Hugging Face folder.
+
+    An already opened GGUFCheckpoint is accepted too, so that a model's file is parsed once."""
+    if isinstance(path, GGUFCheckpoint):
+        return Tokenizer(gguf_tokenizer_parts(path.metadata, path.path), str(path.path))
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"tokenizer path does not exist: {p}")
     if p.is_dir():
         return Tokenizer(_hf_folder_parts(p), str(p))
-    from tokenmill.checkpoint.gguf import GGUFCheckpoint
-
     return Tokenizer(gguf_tokenizer_parts(GGUFCheckpoint(p).metadata, p), str(p))
 
 
@@ -145,17 +148,20 @@ def _hf_folder_parts(folder: Path) -> TokenizerParts:
 
     bos, eos, pad = token_id("bos_token"), token_id("eos_token"), token_id("pad_token")
     if "add_bos_token" in config or "add_eos_token" in config:
-        # As transformers: explicit flags replace tokenizer.json's post-processor.
+        # Explicit flags replace tokenizer.json's post-processor, as transformers'
+        # TokenizersBackend.update_post_processor (and v4's Llama and Gemma tokenizers) do.
         first = [bos] if config.get("add_bos_token") and bos is not None else []
         last = [eos] if config.get("add_eos_token") and eos is not None else []
         names = [f"<tokenmill_{i}>" for i in range(len(first) + len(last))]
         backend.post_processor = processors.TemplateProcessing(
-            single=" ".join([*names[: len(first)], "$A", *names[len(first):]]),
+            single=" ".join([*names[: len(first)], "$A", *names[len(first) :]]),
             special_tokens=list(zip(names, [*first, *last], strict=True)),  # type: ignore[arg-type]
         )
     generation = _read_json(folder / "generation_config.json").get("eos_token_id")
-    extra_eos = generation if isinstance(generation, list) else [] if generation is None else [generation]
-    eos_ids = {int(t) for t in extra_eos} | ({eos} if eos is not None else set())
+    extra_eos = [int(t) for t in (generation if isinstance(generation, list) else [generation]) if t is not None]
+    if eos is None and extra_eos:
+        eos = extra_eos[0]
+    eos_ids = {*extra_eos, *([] if eos is None else [eos])}
     return TokenizerParts(
         backend=backend,
         bos_token_id=bos,
@@ -260,12 +266,13 @@ class IncrementalDetokenizer:
     they are the text the output adds after the prompt, i.e. `decode(prompt + output)` minus
     `decode(prompt)` (so a SentencePiece "▁Hello" right after the prompt gives " Hello").
 
-    How: decode a short window of ids ending at the newest one, and emit what it adds beyond the
-    window's previously emitted part. A window whose text ends in U+FFFD ends inside a UTF-8
-    sequence (a character split over byte tokens) and is held back until more ids complete it.
+    How: keep a short window of ids, of which the first `read_offset` were emitted last time (the
+    context: decoding them alone gives `prefix_text`); decode the whole window and emit what it adds
+    beyond `prefix_text`. A window whose text ends in U+FFFD ends inside a UTF-8 sequence (a character
+    split over byte tokens), so it is held back until more ids complete it.
 
-        ids:   ... | prefix_offset ...... read_offset | new ids |
-                     decoded before (prefix_text)       emitted now = decode(window) - prefix_text
+        window:  | emitted last step (context) | new ids ... |
+                 0                         read_offset
     """
 
     _PROMPT_CONTEXT = 6  # prompt ids decoded with the first step, so the output is not "first"
@@ -273,13 +280,12 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids[-self._PROMPT_CONTEXT:]) if prompt_ids else []
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._window = list(prompt_ids[-self._PROMPT_CONTEXT :]) if prompt_ids else []
+        self._read_offset = len(self._window)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """The text `new_token_ids` add; "" while they end inside an incomplete character."""
-        self._ids.extend(new_token_ids)
+        self._window.extend(new_token_ids)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -287,15 +293,19 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        if self._read_offset == len(self._ids):
+        if self._read_offset == len(self._window):
             return ""
-        decode = self.tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
-        text = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        prefix_text = self.tokenizer.decode(self._window[: self._read_offset], self.skip_special_tokens)
+        text = self.tokenizer.decode(self._window, self.skip_special_tokens)
+        # A decoder that rewrites across tokens (WordPiece's clean-up) can change the context's text:
+        # wait for the end then, and emit from where the two texts part.
         if not final and (text.endswith("\ufffd") or not text.startswith(prefix_text)):
             return ""
-        common = len(prefix_text) if text.startswith(prefix_text) else len(os.path.commonprefix([prefix_text, text]))
-        # Only the ids emitted last stay as context: the window never grows past one step.
-        del self._ids[: self._read_offset]
-        self._prefix_offset, self._read_offset = 0, len(self._ids)
-        return text[common:]
+        delta = text[len(os.path.commonprefix([prefix_text, text])) :]
+        if delta:
+            # The ids just emitted become the context. (Not ids that rendered nothing, e.g. skipped
+            # special tokens: the context must hold text, or SentencePiece's strip of the first space
+            # would land on a different token in `text` than in `prefix_text`.)
+            del self._window[: self._read_offset]
+            self._read_offset = len(self._window)
+        return delta

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's visible space
 
+
 # Token kinds, numbered as GGUF's tokenizer.ggml.token_type (gguf.TokenType).
 class Kind(IntEnum):
     NORMAL = 1
@@ -53,13 +54,10 @@ class Kind(IntEnum):
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN35 = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _JAIS2 = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -93,8 +91,7 @@ _ASCII_PUNCT_WORD = r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"""
 _DEEPSEEK3 = (
     r"\p{N}{1,3}",
     f"[{_CJK}{_KANA}]+",
-    _ASCII_PUNCT_WORD
-    + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 _SPARK2_5 = (
     r"\p{N}{1,3}",
@@ -151,16 +148,13 @@ _AFMOE = (
     r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))",
     "[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
     "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+",
-    _ASCII_PUNCT_WORD
-    + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 _BAILINGMOE = (
     r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]|\s+(?!\S)|\s+"
 )
-_SEED_CODER = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_SEED_CODER = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
 _UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _EXAONE_MOE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
@@ -207,6 +201,10 @@ _DEEPSEEK3_PRE = _pre(*_DEEPSEEK3)
 _GPT4O_PRE = _pre(_GPT4O)
 _BLOOM_PRE = _pre(_BLOOM)
 _GEMMA4_PRE = _pre(_LINES, byte_level=False, escape_whitespace=True, force_bos=True)
+_GPT2_NAMES = [
+    "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert",
+    "exaone4", "jina-v1-en", "jina-v2-code", "roberta-bpe", "mpt", "olmo", "jais", "trillion", "granite-docling",
+]  # fmt: skip
 
 # Every name llama.cpp's llama_vocab::impl::load accepts for tokenizer.ggml.pre (llama.cpp master,
 # 2026), grouped as it groups them.
@@ -232,14 +230,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
         ["starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"],
         _STARCODER_PRE,
     ),
-    **dict.fromkeys(
-        [
-            "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-            "mellum", "modern-bert", "exaone4", "jina-v1-en", "jina-v2-code", "roberta-bpe", "mpt",
-            "olmo", "jais", "trillion", "granite-docling",
-        ],
-        _GPT2_PRE,
-    ),
+    **dict.fromkeys(_GPT2_NAMES, _GPT2_PRE),
     # llama.cpp forces BOS on for Gemma4 (ggml-org/llama.cpp#21500), not for Sarvam
     **dict.fromkeys(["gemma4", "granite-embed-multi-311m"], _GEMMA4_PRE),
     "sarvam-moe": _pre(_LINES, byte_level=False, escape_whitespace=True),
@@ -328,7 +319,9 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], path: Path) -> TokenizerPa
         return _spm_parts(metadata, vocab)
     if model == "bert":
         return _wordpiece_parts(metadata, vocab)
-    return _bpe_parts(metadata, vocab, "gemma4" if model == "gemma4" else metadata.get("tokenizer.ggml.pre"))
+    if model == "gemma4":
+        return _bpe_parts(metadata, vocab, "gemma4", gemma4=True)
+    return _bpe_parts(metadata, vocab, metadata.get("tokenizer.ggml.pre"), gemma4=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,33 +381,44 @@ class _Specials:
 
 
 def _read_specials(
-    metadata: Mapping[str, Any], vocab: _Vocab, *, bos: int | None, eos: int | None, unk: int | None,
-    pad: int | None, sep: int | None, add_bos: bool, add_eos: bool, force_add_bos: bool = False,
+    metadata: Mapping[str, Any],
+    vocab: _Vocab,
+    *,
+    bos: int | None,
+    eos: int | None,
+    unk: int | None,
+    pad: int | None,
+    sep: int | None,
+    add_bos: bool,
+    add_eos: bool,
+    force_add_bos: bool = False,
 ) -> _Specials:
     """Special ids, add-BOS/EOS flags and the end-of-generation set, as llama_vocab::impl::load.
 
     Also applies llama.cpp's kind fix-ups to `vocab.kinds` (end-of-generation texts become control).
     """
+
     def get(key: str, default: int | None) -> int | None:
         return _special_id(metadata, vocab, key, default)
 
-    specials = _Specials(
-        bos=get("tokenizer.ggml.bos_token_id", bos),
-        eos=get("tokenizer.ggml.eos_token_id", eos),
-        unk=get("tokenizer.ggml.unknown_token_id", unk),
-        pad=get("tokenizer.ggml.padding_token_id", pad),
-        sep=get("tokenizer.ggml.seperator_token_id", sep),  # sic: llama.cpp's key is spelled so
-        add_bos=force_add_bos or _flag(metadata, "tokenizer.ggml.add_bos_token", add_bos),
-        add_eos=_flag(metadata, "tokenizer.ggml.add_eos_token", add_eos),
-        eog=frozenset(),
-    )
-    for flag, tid, what in ((specials.add_bos, specials.bos, "bos"), (specials.add_eos, specials.eos, "eos")):
+    bos_id, eos_id = get("tokenizer.ggml.bos_token_id", bos), get("tokenizer.ggml.eos_token_id", eos)
+    add_bos = force_add_bos or _flag(metadata, "tokenizer.ggml.add_bos_token", add_bos)
+    add_eos = _flag(metadata, "tokenizer.ggml.add_eos_token", add_eos)
+    for flag, tid, what in ((add_bos, bos_id, "bos"), (add_eos, eos_id, "eos")):
         if flag and tid is None:
             raise CheckpointError(
                 f"{vocab.path}: tokenizer.ggml.add_{what}_token is true but tokenizer.ggml.{what}_token_id is not set"
             )
-    specials.eog = _end_of_generation(metadata, vocab, specials.eos)
-    return specials
+    return _Specials(
+        bos=bos_id,
+        eos=eos_id,
+        unk=get("tokenizer.ggml.unknown_token_id", unk),
+        pad=get("tokenizer.ggml.padding_token_id", pad),
+        sep=get("tokenizer.ggml.seperator_token_id", sep),  # sic: llama.cpp's key is spelled so
+        add_bos=add_bos,
+        add_eos=add_eos,
+        eog=_end_of_generation(metadata, vocab, eos_id),
+    )
 
 
 def _end_of_generation(metadata: Mapping[str, Any], vocab: _Vocab, eos: int | None) -> frozenset[int]:
@@ -423,8 +427,7 @@ def _end_of_generation(metadata: Mapping[str, Any], vocab: _Vocab, eos: int | No
 
     def mark(tid: int) -> None:
         eog.add(tid)
-        if vocab.kinds[tid] is not Kind.CONTROL:  # llama.cpp overrides the type of such tokens
-            vocab.kinds[tid] = Kind.CONTROL
+        vocab.kinds[tid] = Kind.CONTROL  # llama.cpp makes these control tokens, whatever the file says
 
     for key, texts in _FIM_EOG.items():
         tid = _special_id(metadata, vocab, key, None)
@@ -471,9 +474,8 @@ def _added_tokens(metadata: Mapping[str, Any], vocab: _Vocab) -> list[AddedToken
     ):
         lstrip.add("<mask>")
     elif "phi-3" in name or "phi3" in name:
-        rstrip = {t for t, k in zip(vocab.tokens, vocab.kinds, strict=True) if k in _MATCHED_WHOLE} - {
-            "<unk>", "<s>", "<|endoftext|>"
-        }
+        rstrip = {t for t, k in zip(vocab.tokens, vocab.kinds, strict=True) if k in _MATCHED_WHOLE}
+        rstrip -= {"<unk>", "<s>", "<|endoftext|>"}
     elif "modern-bert" in name:
         lstrip.add("[MASK]")
     return [
@@ -500,7 +502,7 @@ def _assemble(
         last.append(specials.sep)
     if first or last:
         names = [f"<tokenmill_{i}>" for i in range(len(first) + len(last))]  # template placeholders
-        single = [*names[: len(first)], "$A", *names[len(first):]]
+        single = [*names[: len(first)], "$A", *names[len(first) :]]
         backend.post_processor = processors.TemplateProcessing(
             single=" ".join(single),
             special_tokens=list(zip(names, [*first, *last], strict=True)),  # type: ignore[arg-type]
@@ -521,7 +523,7 @@ def _assemble(
 # ---------------------------------------------------------------------------------------------
 
 
-def _bpe_parts(metadata: Mapping[str, Any], vocab: _Vocab, pre_name: str | None) -> TokenizerParts:
+def _bpe_parts(metadata: Mapping[str, Any], vocab: _Vocab, pre_name: str | None, gemma4: bool) -> TokenizerParts:
     if pre_name is None:
         logger.warning("%s: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer", vocab.path)
         pre_name = "default"
@@ -533,11 +535,23 @@ def _bpe_parts(metadata: Mapping[str, Any], vocab: _Vocab, pre_name: str | None)
         )
     merges = _bpe_merges(metadata, vocab)
     specials = _read_specials(
-        metadata, vocab, bos=None if pre.no_bos else 11, eos=11, unk=None, pad=None, sep=None,
-        add_bos=pre.add_bos, add_eos=False, force_add_bos=pre.force_bos,
+        metadata,
+        vocab,
+        # llama.cpp's (odd) default BOS/EOS for "gpt2" vocabularies is id 11; "gemma4" has none
+        bos=None if pre.no_bos or gemma4 else 11,
+        eos=None if gemma4 else 11,
+        unk=None,
+        pad=None,
+        sep=None,
+        add_bos=pre.add_bos,
+        add_eos=False,
+        force_add_bos=pre.force_bos,
     )
     model = models.BPE(
-        vocab.ids, merges, ignore_merges=pre.ignore_merges, byte_fallback=not pre.byte_level,
+        vocab.ids,
+        merges,
+        ignore_merges=pre.ignore_merges,
+        byte_fallback=not pre.byte_level,
         unk_token=None if specials.unk is None else vocab.tokens[specials.unk],
     )
     parts = _assemble(model, metadata, vocab, specials)
@@ -562,7 +576,7 @@ def _bpe_merges(metadata: Mapping[str, Any], vocab: _Vocab) -> list[tuple[str, s
     merges = []
     for merge in raw:
         cut = merge.find(" ", 1)  # as llama.cpp: the first space after the first character
-        left, right = (merge[:cut], merge[cut + 1:]) if cut > 0 else ("", "")
+        left, right = (merge[:cut], merge[cut + 1 :]) if cut > 0 else ("", "")
         # tokenizers requires both halves and the result in the vocabulary; a merge that is not
         # could only ever produce a piece llama.cpp then spells out byte by byte.
         if left in vocab.ids and right in vocab.ids and left + right in vocab.ids:
@@ -571,11 +585,11 @@ def _bpe_merges(metadata: Mapping[str, Any], vocab: _Vocab) -> list[tuple[str, s
 
 
 def _spm_parts(metadata: Mapping[str, Any], vocab: _Vocab) -> TokenizerParts:
-    specials = _read_specials(
-        metadata, vocab, bos=1, eos=2, unk=0, pad=None, sep=None, add_bos=True, add_eos=False
-    )
+    specials = _read_specials(metadata, vocab, bos=1, eos=2, unk=0, pad=None, sep=None, add_bos=True, add_eos=False)
     model = models.BPE(
-        vocab.ids, _spm_merges(vocab), byte_fallback=True,
+        vocab.ids,
+        _spm_merges(vocab),
+        byte_fallback=True,
         unk_token=None if specials.unk is None else vocab.tokens[specials.unk],
     )
     parts = _assemble(model, metadata, vocab, specials)
@@ -602,25 +616,21 @@ def _spm_merges(vocab: _Vocab) -> list[tuple[str, str]]:
     highest score. As BPE merges: every split of a token into two tokens, ranked by the score of the
     whole token (ties by id; llama.cpp breaks exact score ties by position instead).
     """
-    mergeable = (Kind.NORMAL, Kind.USER_DEFINED, Kind.UNUSED)
+    # Control and unknown tokens are cut out of the text before this runs, and byte tokens come only
+    # from byte fallback: none of them is merged into or from.
+    kinds = (Kind.NORMAL, Kind.USER_DEFINED, Kind.UNUSED)
+    mergeable = {t for t, k in zip(vocab.tokens, vocab.kinds, strict=True) if k in kinds}
     candidates = []
-    for tid, (token, kind) in enumerate(zip(vocab.tokens, vocab.kinds, strict=True)):
-        if kind not in mergeable or len(token) < 2:
-            continue
-        for cut in range(1, len(token)):
-            left, right = vocab.ids.get(token[:cut]), vocab.ids.get(token[cut:])
-            if left is not None and right is not None and vocab.kinds[left] in mergeable and (
-                vocab.kinds[right] in mergeable
-            ):
-                candidates.append((-vocab.scores[tid], tid, cut))
+    for token in mergeable:
+        tid = vocab.ids[token]
+        cuts = [cut for cut in range(1, len(token)) if token[:cut] in mergeable and token[cut:] in mergeable]
+        candidates += [(-vocab.scores[tid], tid, cut) for cut in cuts]
     candidates.sort()
     return [(vocab.tokens[tid][:cut], vocab.tokens[tid][cut:]) for _, tid, cut in candidates]
 
 
 def _wordpiece_parts(metadata: Mapping[str, Any], vocab: _Vocab) -> TokenizerParts:
-    specials = _read_specials(
-        metadata, vocab, bos=101, eos=None, unk=100, pad=0, sep=102, add_bos=True, add_eos=False
-    )
+    specials = _read_specials(metadata, vocab, bos=101, eos=None, unk=100, pad=0, sep=102, add_bos=True, add_eos=False)
     # llama.cpp's WPM tokenizer always wraps the text in BOS ([CLS]) ... SEP, whatever the flags say.
     for tid, key in ((specials.bos, "bos_token_id"), (specials.sep, "seperator_token_id"),
                      (specials.unk, "unknown_token_id")):  # fmt: skip
@@ -636,16 +646,16 @@ def _wordpiece_parts(metadata: Mapping[str, Any], vocab: _Vocab) -> TokenizerPar
     ids: dict[str, int] = {}
     for tid, token in enumerate(respelled):
         if ids.setdefault(token, tid) != tid:
-            raise CheckpointError(
-                f"{vocab.path}: tokens {ids[token]} and {tid} are the same WordPiece token {token!r}"
-            )
+            raise CheckpointError(f"{vocab.path}: tokens {ids[token]} and {tid} are the same WordPiece token {token!r}")
     vocab = replace(vocab, tokens=respelled, ids=ids)
     # llama.cpp has no per-word length limit (tokenizers' default is 100 characters)
     model = models.WordPiece(ids, unk_token=respelled[specials.unk], max_input_chars_per_word=1 << 30)
     parts = _assemble(model, metadata, vocab, specials, sep_last=True)
     lowercase = _flag(metadata, "tokenizer.ggml.normalizer.lowercase", True)
     parts.backend.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, lowercase=lowercase,
+        clean_text=True,
+        handle_chinese_chars=True,
+        lowercase=lowercase,
         strip_accents=_flag(metadata, "tokenizer.ggml.normalizer.strip_accents", lowercase),
     )
     parts.backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

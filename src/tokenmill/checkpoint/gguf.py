@@ -19,7 +19,7 @@ from tokenmill.errors import CheckpointError, UnsupportedModelError
 # GGML types we can turn into a torch tensor: plain floats and the common block quantizations.
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 SUPPORTED_QUANT_TYPES = frozenset(
-    ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+    ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
      "IQ4_NL", "IQ4_XS"]
 )
 

@@ -7,11 +7,15 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import logging
 import sys
 from collections.abc import Sequence
 
 from tokenmill.errors import TokenmillError
+from tokenmill.llm import LLM
+from tokenmill.sampling import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -53,10 +57,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, show_progress=True)
 
 
-def _sampling_params(llm, args: argparse.Namespace):
-    import dataclasses
-
-    base = llm.get_default_sampling_params()
+def _sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:
+    """The flags applied over `base` (the model's generation-config defaults, or plain defaults
+    when checking the flags before the model is loaded)."""
     overrides = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
                  if getattr(args, k) is not None}
     return dataclasses.replace(base, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
@@ -64,11 +67,12 @@ def _sampling_params(llm, args: argparse.Namespace):
                                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, **overrides)
 
 
-def _load(args: argparse.Namespace):
-    from tokenmill.llm import LLM
-
+def _load(args: argparse.Namespace) -> tuple[LLM, SamplingParams]:
+    """Check the sampling flags (fast), load the model (slow), then resolve the sampling params."""
+    _sampling_params(args, SamplingParams())
     print("loading model ...", file=sys.stderr, flush=True)
-    return LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **_engine_kwargs(args))
+    return llm, _sampling_params(args, llm.get_default_sampling_params())
 
 
 def _print_stream(outputs) -> str:
@@ -84,18 +88,18 @@ def _print_stream(outputs) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    llm = _load(args)
-    params = _sampling_params(llm, args)
+    llm, params = _load(args)
+    stream = llm.stream(args.prompt, params)
+    first = next(stream)  # submits the request: a prompt the engine refuses fails before any output
     sys.stdout.write(args.prompt)
-    reason = _print_stream(llm.stream(args.prompt, params))
+    reason = _print_stream(itertools.chain([first], stream))
     sys.stdout.write("\n")
     print(f"[finish_reason: {reason}]", file=sys.stderr)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _load(args)
-    params = _sampling_params(llm, args)
+    llm, params = _load(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -6,12 +6,13 @@ metadata) and never changes afterwards. Field names follow Hugging Face's where 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -58,21 +59,58 @@ class ModelConfig:
             )
 
 
-def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+_REQUIRED: Any = object()
+
+
+class ConfigFields:
+    """Typed reads of a checkpoint's configuration (an HF config.json dict, or GGUF metadata with
+    the `{architecture}.` prefix), with errors that name the file and the key."""
+
+    def __init__(self, values: Mapping[str, Any], source: str, prefix: str = ""):
+        self.values = values
+        self.source = source
+        self.prefix = prefix
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(self.prefix + key, default)
+
+    def _read(self, key: str, default: Any, kind: type) -> Any:
+        value = self.values.get(self.prefix + key)
+        if value is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.source}: required key {self.prefix + key!r} is missing")
+            return default
+        try:
+            if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return kind(value)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.source}: {self.prefix + key!r} must be {kind.__name__}, "
+                                  f"got {value!r}") from e
+
+    def int(self, key: str, default: Any = _REQUIRED) -> int:
+        return self._read(key, default, int)
+
+    def float(self, key: str, default: Any = _REQUIRED) -> float:
+        return self._read(key, default, float)
+
+
+def rope_scaling_from_hf(cfg: ConfigFields) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from an HF config, old (`rope_scaling`) or new (`rope_parameters`) style."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = ConfigFields(cfg.get(key) or {}, f"{cfg.source} ({key})")
+    theta = params.float("rope_theta", cfg.float("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None
     if rope_type == "llama3":
         return theta, RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            factor=params.float("factor"),
+            low_freq_factor=params.float("low_freq_factor"),
+            high_freq_factor=params.float("high_freq_factor"),
+            original_max_position_embeddings=params.int("original_max_position_embeddings"),
         )
-    raise TokenmillError(f"model config: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    raise UnsupportedModelError(f"{cfg.source}: rope type {rope_type!r} is not supported (default, llama3)")
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

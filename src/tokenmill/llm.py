@@ -100,6 +100,9 @@ class LLM:
         token ids, or a list of lists of token ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TokenmillError(f"prompts: expected a string, a list of strings, a list of token ids or a list of "
+                                 f"lists of token ids, got {type(prompts).__name__}")
         tokenized = [self._tokenize(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm)
 
@@ -107,7 +110,11 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of {"role", "content"} dicts)
         or to a list of conversations, and generate a reply for each."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if isinstance(messages, (list, tuple)) and messages and \
+            isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in conversations):
+            raise TokenmillError("messages: expected a list of {'role', 'content'} dicts or a list of such lists, "
+                                 f"got {messages!r:.80}")
         tokenized = [self._chat_prompt(list(c), add_generation_prompt) for c in conversations]
         return self._run(tokenized, sampling_params, use_tqdm)
 
@@ -115,8 +122,13 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = [sampling_params] * len(tokenized) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(tokenized)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise TokenmillError(f"sampling_params: expected a SamplingParams or a list of them, "
+                                 f"got {type(sampling_params).__name__}")
         if len(params) != len(tokenized):
             raise TokenmillError(f"sampling_params: got {len(params)} for {len(tokenized)} prompts")
         ids = []
@@ -154,6 +166,8 @@ class LLM:
         that changed it; `outputs[i].text` grows, the last yield has finished=True."""
         if (prompt is None) == (messages is None):
             raise TokenmillError("stream(): pass exactly one of prompt or messages")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TokenmillError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
         text, token_ids = self._tokenize(prompt) if messages is None else self._chat_prompt(messages, True)
         request_id = str(next(self._ids))
         self._processor.add_request(request_id, text, token_ids, sampling_params or self.get_default_sampling_params())

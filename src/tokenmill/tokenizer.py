@@ -251,6 +251,9 @@ def render_chat_template(template: jinja2.Template, source: str, **variables: An
         raise TokenmillError(f"the chat template of {source} tried an unsafe operation: {e}") from e
     except jinja2.TemplateError as e:
         raise TokenmillError(f"the chat template of {source} failed: {e}") from e
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # e.g. non-string message content
+        raise TokenmillError(f"the chat template of {source} failed on these messages: "
+                             f"{type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------

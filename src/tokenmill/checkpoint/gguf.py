@@ -24,6 +24,20 @@ SUPPORTED_QUANT_TYPES = frozenset(
 )
 
 
+def _why_unreadable(path: Path) -> str:
+    """The user-level reason the GGUF reader failed (its own errors are numpy internals)."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"it cannot be opened ({e.strerror})"
+    if not magic:
+        return "the file is empty"
+    if magic != b"GGUF":
+        return "it does not start with the GGUF magic bytes (too short, or not a GGUF file)"
+    return "it is truncated or corrupt"
+
+
 class GGUFCheckpoint:
     """A GGUF file opened for reading.
 
@@ -39,7 +53,8 @@ class GGUFCheckpoint:
         try:
             self._reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # the reader raises assorted errors on truncated or foreign files
-            raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+            raise CheckpointError(f"{self.path} is not a readable GGUF file: {_why_unreadable(self.path)} "
+                                  f"({type(e).__name__}: {e})") from e
         self.metadata: dict[str, Any] = {}
         for key, field in self._reader.fields.items():
             if key.startswith("GGUF."):

@@ -61,7 +61,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise TokenmillError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise TokenmillError(f"prompt: token id {bad[0]!r} is out of range [0, {vocab})")
         params.validate_for_vocab(vocab)

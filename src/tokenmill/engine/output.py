@@ -114,7 +114,11 @@ class OutputProcessor:
                     entry[token_id] = Logprob(lp, None, self.tokenizer.decode([token_id]))
                 out.logprobs.append(entry)
                 out.cumulative_logprob += lp
-        delta = sample.detokenizer.step(new_ids)
+        text_ids = new_ids
+        if request.finish_reason == "stop" and not request.params.include_stop_str_in_output:
+            # As vLLM: the EOS or stop token that ended the request is in token_ids, not in the text.
+            text_ids = new_ids[:-1]
+        delta = sample.detokenizer.step(text_ids)
         if request.is_finished:
             delta += sample.detokenizer.flush()
         if sample.stop is not None:

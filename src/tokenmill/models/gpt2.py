@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
-from tokenmill.config import ModelConfig
-from tokenmill.errors import UnsupportedModelError
+from tokenmill.config import ConfigFields, ModelConfig
+from tokenmill.errors import CheckpointError, UnsupportedModelError
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Embedding, Linear
 from tokenmill.models.gguf_names import gguf_name_table, map_gguf_name
@@ -119,29 +118,31 @@ class GPT2LMHeadModel(nn.Module):
         return torch.matmul(hidden, weight.t()).float()
 
     @staticmethod
-    def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    def config_from_hf(cfg: ConfigFields) -> ModelConfig:
         act = cfg.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UnsupportedModelError(f"config.json: activation_function {act!r} is not supported (gelu_new)")
-        hidden, heads = cfg["n_embd"], cfg["n_head"]
+            raise UnsupportedModelError(f"{cfg.source}: activation_function {act!r} is not supported (gelu_new)")
+        hidden, heads = cfg.int("n_embd"), cfg.int("n_head")
         return ModelConfig(
-            architecture="gpt2", vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=cfg["n_layer"],
-            num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-            intermediate_size=cfg.get("n_inner") or 4 * hidden,
-            max_position_embeddings=cfg["n_positions"], norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            architecture="gpt2", vocab_size=cfg.int("vocab_size"), hidden_size=hidden,
+            num_layers=cfg.int("n_layer"), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            intermediate_size=cfg.int("n_inner", 4 * hidden), max_position_embeddings=cfg.int("n_positions"),
+            norm_eps=cfg.float("layer_norm_epsilon", 1e-5),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
 
     @staticmethod
-    def config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
-        hidden, heads = int(ckpt.arch_get("embedding_length")), int(ckpt.arch_get("attention.head_count"))
+    def config_from_gguf(ckpt: GGUFCheckpoint, cfg: ConfigFields) -> ModelConfig:
+        names = set(ckpt.tensor_names())
+        if "token_embd.weight" not in names:
+            raise CheckpointError(f"{ckpt.path}: no token_embd.weight tensor (is this a vocab-only file?)")
+        hidden, heads = cfg.int("embedding_length"), cfg.int("attention.head_count")
         return ModelConfig(
             architecture="gpt2", vocab_size=ckpt.tensor_shape("token_embd.weight")[0], hidden_size=hidden,
-            num_layers=int(ckpt.arch_get("block_count")), num_heads=heads, num_kv_heads=heads,
-            head_dim=hidden // heads, intermediate_size=int(ckpt.arch_get("feed_forward_length")),
-            max_position_embeddings=int(ckpt.arch_get("context_length")),
-            norm_eps=float(ckpt.arch_get("attention.layer_norm_epsilon", 1e-5)),
-            tie_word_embeddings="output.weight" not in set(ckpt.tensor_names()),
+            num_layers=cfg.int("block_count"), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            intermediate_size=cfg.int("feed_forward_length"), max_position_embeddings=cfg.int("context_length"),
+            norm_eps=cfg.float("attention.layer_norm_epsilon", 1e-5),
+            tie_word_embeddings="output.weight" not in names,
         )
 
     def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:

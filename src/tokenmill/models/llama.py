@@ -7,14 +7,13 @@ gate/up) -> residual; final RMSNorm and an LM head that may be tied to the embed
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
-from tokenmill.config import ModelConfig, rope_scaling_from_hf
-from tokenmill.errors import UnsupportedModelError
+from tokenmill.config import ConfigFields, ModelConfig, rope_scaling_from_hf
+from tokenmill.errors import CheckpointError, UnsupportedModelError
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Embedding, Linear
@@ -141,30 +140,29 @@ class LlamaForCausalLM(nn.Module):
     # ---- checkpoints -------------------------------------------------------------------------
 
     @staticmethod
-    def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        family = _HF_FAMILY[arch]
+    def config_from_hf(cfg: ConfigFields) -> ModelConfig:
+        family = _HF_FAMILY[(cfg.get("architectures") or ["LlamaForCausalLM"])[0]]
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+            raise UnsupportedModelError(f"{cfg.source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
         if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("config.json: mlp_bias=true is not supported")
+            raise UnsupportedModelError(f"{cfg.source}: mlp_bias=true is not supported")
         theta, scaling = rope_scaling_from_hf(cfg)
-        heads = cfg["num_attention_heads"]
-        max_pos = int(cfg.get("max_position_embeddings", 4096))
-        window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
-        if window:  # within the window, sliding-window attention is full attention
-            max_pos = min(max_pos, int(window))
+        hidden, heads = cfg.int("hidden_size"), cfg.int("num_attention_heads")
+        max_pos = cfg.int("max_position_embeddings", 4096)
+        if family == "mistral" or cfg.get("use_sliding_window"):
+            # Within the window, sliding-window attention is full attention: cap the context there.
+            max_pos = min(max_pos, cfg.int("sliding_window", max_pos))
         return ModelConfig(
             architecture=family,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=cfg.int("vocab_size"),
+            hidden_size=hidden,
+            num_layers=cfg.int("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
+            num_kv_heads=cfg.int("num_key_value_heads", heads),
+            head_dim=cfg.int("head_dim", hidden // heads),
+            intermediate_size=cfg.int("intermediate_size"),
             max_position_embeddings=max_pos,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            norm_eps=cfg.float("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -173,28 +171,26 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @staticmethod
-    def config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
-        arch = ckpt.architecture
-        scaling_type = ckpt.arch_get("rope.scaling.type", "none")
+    def config_from_gguf(ckpt: GGUFCheckpoint, cfg: ConfigFields) -> ModelConfig:
+        scaling_type = cfg.get("rope.scaling.type", "none")
         if scaling_type not in ("none", None):
             raise UnsupportedModelError(f"{ckpt.path}: rope scaling type {scaling_type!r} is not supported")
         names = set(ckpt.tensor_names())
-        heads = int(ckpt.arch_get("attention.head_count"))
-        hidden = int(ckpt.arch_get("embedding_length"))
-        tokens = ckpt.get("tokenizer.ggml.tokens")
-        vocab = ckpt.arch_get("vocab_size") or (len(tokens) if tokens else ckpt.tensor_shape("token_embd.weight")[0])
+        if "token_embd.weight" not in names:
+            raise CheckpointError(f"{ckpt.path}: no token_embd.weight tensor (is this a vocab-only file?)")
+        heads, hidden = cfg.int("attention.head_count"), cfg.int("embedding_length")
         return ModelConfig(
-            architecture=arch,
-            vocab_size=int(vocab),
+            architecture=ckpt.architecture,
+            vocab_size=ckpt.tensor_shape("token_embd.weight")[0],
             hidden_size=hidden,
-            num_layers=int(ckpt.arch_get("block_count")),
+            num_layers=cfg.int("block_count"),
             num_heads=heads,
-            num_kv_heads=int(ckpt.arch_get("attention.head_count_kv", heads)),
-            head_dim=int(ckpt.arch_get("attention.key_length", hidden // heads)),
-            intermediate_size=int(ckpt.arch_get("feed_forward_length")),
-            max_position_embeddings=int(ckpt.arch_get("context_length", 4096)),
-            norm_eps=float(ckpt.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(ckpt.arch_get("rope.freq_base", 10000.0)),
+            num_kv_heads=cfg.int("attention.head_count_kv", heads),
+            head_dim=cfg.int("attention.key_length", hidden // heads),
+            intermediate_size=cfg.int("feed_forward_length"),
+            max_position_embeddings=cfg.int("context_length", 4096),
+            norm_eps=cfg.float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=cfg.float("rope.freq_base", 10000.0),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,

@@ -1,7 +1,8 @@
 """Build a model from a checkpoint and fill its parameters, one checkpoint tensor at a time.
 
 Every model class provides:
-  - `config_from_hf(cfg: dict)` / `config_from_gguf(ckpt)` -> ModelConfig
+  - `config_from_hf(fields)` / `config_from_gguf(ckpt, fields)` -> ModelConfig (ConfigFields: typed
+    reads whose errors name the file and key)
   - `model.checkpoint_tensors(ckpt)` -> iterator of (hf_style_name, tensor): GGUF names are mapped onto
     HF names (and llama.cpp's layout changes undone) by the model file, so the loader sees one
     naming scheme
@@ -22,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
-from tokenmill.config import ModelConfig
+from tokenmill.config import ConfigFields, ModelConfig
 from tokenmill.errors import CheckpointError
 from tokenmill.layers.linear import Linear
 from tokenmill.models import get_model_class
@@ -31,7 +32,10 @@ from tokenmill.models import get_model_class
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
                show_progress: bool = False) -> tuple[nn.Module, ModelConfig]:
     cls = get_model_class(ckpt.architecture)
-    config = cls.config_from_gguf(ckpt) if isinstance(ckpt, GGUFCheckpoint) else cls.config_from_hf(ckpt.config)
+    if isinstance(ckpt, GGUFCheckpoint):
+        config = cls.config_from_gguf(ckpt, ConfigFields(ckpt.metadata, str(ckpt.path), f"{ckpt.architecture}."))
+    else:
+        config = cls.config_from_hf(ConfigFields(ckpt.config, str(ckpt.path / "config.json")))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -18,8 +18,13 @@ def make_engine(path: str | Path, dtype: str = "float32", **kwargs) -> LLMEngine
 
 def prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids), vocab] of one packed prefill of `ids` through the engine's model and cache."""
-    request = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
-    scheduled = engine.scheduler.schedule().scheduled
+    # Compute every position: a prefix-cache hit would skip rows whose logits we want.
+    engine.kv.enable_prefix_caching, enabled = False, engine.kv.enable_prefix_caching
+    try:
+        request = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
+        scheduled = engine.scheduler.schedule().scheduled
+    finally:
+        engine.kv.enable_prefix_caching = enabled
     assert scheduled == [(request, len(ids))], "the prompt must fit one step"
     input_ids, positions, meta, _, _ = engine.runner.prepare(scheduled)
     with torch.inference_mode():

@@ -161,6 +161,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048     # tokens per step (prefill chunks + decodes)
     kv_cache_memory: int | None = None     # bytes for the KV pool; default 1 GiB
     num_kv_blocks: int | None = None       # explicit pool size (overrides kv_cache_memory)
+    enable_prefix_caching: bool = True     # reuse the KV blocks of shared prompt prefixes
+    enable_chunked_prefill: bool = True    # split prompts longer than the step's token budget
     show_progress: bool = False            # progress bars while loading
 
     def __post_init__(self) -> None:

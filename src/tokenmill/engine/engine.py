@@ -11,7 +11,7 @@ import logging
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
-from tokenmill.engine.kv_cache import BlockPool, allocate_kv_caches, kv_bytes_per_token
+from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
 from tokenmill.engine.request import Request
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
@@ -46,18 +46,21 @@ class LLMEngine:
                                  f"({mc.max_position_embeddings})")
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
         self.pool = BlockPool(num_blocks)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("weights %.1f MiB (%s); KV cache %d B/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
-                    "max_model_len %d", weight_bytes / 2**20, self.dtype, per_token, num_blocks,
-                    config.block_size, capacity, num_blocks * block_bytes / 2**20, self.max_model_len)
+        logger.info("memory plan: weights %.1f MiB (%s); KV cache %d B/token x %d blocks of %d tokens = %d tokens "
+                    "(%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
+                    weight_bytes / 2**20, self.dtype, per_token, num_blocks, config.block_size, capacity,
+                    num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, priority: int = 0) -> Request:
         if not prompt_token_ids:
             raise TokenmillError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -73,11 +76,15 @@ class LLMEngine:
         if n + max_tokens > self.max_model_len:
             raise TokenmillError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                                  f"max_model_len ({self.max_model_len})")
+        if self.kv.blocks_for(n + max_tokens) > self.pool.num_blocks:
+            raise TokenmillError(f"prompt: {n} tokens + max_tokens {max_tokens} need "
+                                 f"{self.kv.blocks_for(n + max_tokens)} KV blocks but the pool has only "
+                                 f"{self.pool.num_blocks}; lower max_tokens or raise kv_cache_memory")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise TokenmillError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, max_tokens,
-                          frozenset() if params.ignore_eos else self.eos_token_ids)
+                          frozenset() if params.ignore_eos else self.eos_token_ids, priority=priority)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -90,6 +97,7 @@ class LLMEngine:
         results = self.runner.execute(scheduled.scheduled)
         for request, n in scheduled.scheduled:
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
         updated = []
         for request, token in results:
             request.output_token_ids.append(token.token_id)

@@ -32,8 +32,13 @@ class Request:
     eos_token_ids: frozenset[int]         # empty when params.ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0                     # lower runs first (ties: earlier arrival first)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache at admission
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)        # the block table
+    block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
+    num_cached_blocks: int = 0            # leading block-table entries registered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -1,46 +1,53 @@
 """Each step: which requests run and how many tokens each, within a token budget.
 
-Running requests go first (a decode is one token; a prompt that did not fit in earlier steps
-continues as a chunk), then waiting requests are admitted first-come-first-served while there are
-free sequence slots, budget and blocks. A prompt longer than the remaining budget is prefilled in
-chunks over several steps, so one long prompt never stalls the running streams.
+Running requests go first, in priority order (a decode is one token; a prompt that did not fit
+in earlier steps continues as a chunk). Then waiting requests are admitted while there are free
+sequence slots, budget and blocks; a cached prefix is reused instead of recomputed. With chunked
+prefill, a prompt longer than the remaining budget is prefilled over several steps, so one long
+prompt never stalls the running streams.
 
-Admission reserves the blocks for the request's whole life (prompt + max_tokens), so a running
-request can never run out of cache.
+Blocks are allocated on demand. When a running request needs a block and none is free, the
+lowest-priority running request (latest arrival among equals) is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed from its tokens later
+(its output so far is kept, so nothing is lost or generated twice).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-from tokenmill.engine.kv_cache import BlockPool
+from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]]   # (request, num_scheduled_tokens), in batch order
+    preempted: list[Request]
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
 
+def _order(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool = pool
-        self.block_size = block_size
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-
-    def blocks_needed(self, request: Request) -> int:
-        return -(-(len(request.prompt_token_ids) + request.max_tokens) // self.block_size)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Request] = []   # kept sorted by (priority, arrival)
+        self.running: list[Request] = []   # kept sorted by (priority, arrival)
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.waiting.sort(key=_order)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -48,24 +55,56 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        for request in self.running:
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n > 0:
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running[-1]   # lowest priority, latest arrival
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
                 scheduled.append((request, n))
                 budget -= n
+                i += 1
+        if not preempted:
+            self._admit(scheduled, budget)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            need = self.blocks_needed(request)
-            if need > self.pool.num_free:
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            n = request.num_tokens - num_cached
+            if n > budget and not self.enable_chunked_prefill:
                 break
-            self.waiting.popleft()
-            request.block_ids = self.pool.allocate(need)
+            n = min(n, budget)
+            if not self.kv.allocate_slots(request, n, cached):
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_cached
+            request.num_cached_blocks = len(cached)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            n = min(request.num_tokens, budget)
+            self.running.sort(key=_order)
             scheduled.append((request, n))
             budget -= n
-        return SchedulerOutput(scheduled)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        self.waiting.sort(key=_order)
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and return its blocks to the pool."""
@@ -73,5 +112,4 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free(request.block_ids)
-        request.block_ids = []
+        self.kv.free(request)

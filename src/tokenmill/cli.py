@@ -31,6 +31,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 1 GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV pool size in blocks")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill prompts longer than the step's token budget in chunks")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -54,7 +58,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                num_kv_blocks=args.num_kv_blocks, show_progress=True)
+                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, show_progress=True)
 
 
 def _sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:
@@ -132,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    parser.add_argument("--log-level", default="INFO", help="tokenmill's log level: DEBUG | INFO | WARNING | ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
@@ -157,13 +162,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     b.add_argument("--output", default="bench-results/latency.json")
     b.set_defaults(func=cmd_bench)
+
+    from tokenmill.bench.throughput import cmd_throughput
+    b = bench.add_parser("throughput", help="offline throughput on a mix of requests vs transformers, "
+                         "with a leave-one-out table of engine features")
+    _add_model_args(b)
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--seed", type=int, default=0, help="seed of the request lengths and prompts")
+    b.add_argument("--input-len-range", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    b.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    b.add_argument("--peer-num-requests", type=int, default=None,
+                   help="run transformers on the first N requests only (default: all)")
+    b.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
+                   help="transformers static batch sizes to try; the best is reported")
+    b.add_argument("--skip-ablations", action="store_true", help="only tokenmill with everything on")
+    b.add_argument("--output", default="bench-results/throughput.json")
+    b.set_defaults(func=cmd_throughput)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenmill").setLevel(args.log_level.upper())
     try:
         return args.func(args)
     except TokenmillError as e:

@@ -95,16 +95,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: a string, a list of strings, a list of
-        token ids, or a list of lists of token ids."""
+        token ids, or a list of lists of token ids. `priority`: one int per prompt, lower runs first."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TokenmillError(f"prompts: expected a string, a list of strings, a list of token ids or a list of "
                                  f"lists of token ids, got {type(prompts).__name__}")
         tokenized = [self._tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, use_tqdm)
+        return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -119,7 +119,8 @@ class LLM:
         return self._run(tokenized, sampling_params, use_tqdm)
 
     def _run(self, tokenized: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -131,11 +132,14 @@ class LLM:
                                  f"got {type(sampling_params).__name__}")
         if len(params) != len(tokenized):
             raise TokenmillError(f"sampling_params: got {len(params)} for {len(tokenized)} prompts")
+        priorities = [0] * len(tokenized) if priority is None else list(priority)
+        if len(priorities) != len(tokenized) or not all(isinstance(x, int) for x in priorities):
+            raise TokenmillError(f"priority: expected {len(tokenized)} ints, one per prompt")
         ids = []
         try:
-            for (text, token_ids), p in zip(tokenized, params, strict=True):
+            for (text, token_ids), p, prio in zip(tokenized, params, priorities, strict=True):
                 request_id = str(next(self._ids))
-                self._processor.add_request(request_id, text, token_ids, p)
+                self._processor.add_request(request_id, text, token_ids, p, prio)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

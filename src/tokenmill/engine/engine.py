@@ -60,7 +60,7 @@ class LLMEngine:
                     num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
         if not prompt_token_ids:
             raise TokenmillError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -85,6 +85,8 @@ class LLMEngine:
             raise TokenmillError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, max_tokens,
                           frozenset() if params.ignore_eos else self.eos_token_ids, priority=priority)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -100,7 +102,7 @@ class LLMEngine:
             self.kv.cache_full_blocks(request)
         updated = []
         for request, token in results:
-            request.output_token_ids.append(token.token_id)
+            request.append_token(token.token_id)
             if token.logprob is not None:
                 request.logprobs.append((token.logprob, token.top_logprobs))
             request.check_stop(self.max_model_len)

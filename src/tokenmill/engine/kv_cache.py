@@ -108,7 +108,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
+        self.prefix_queries = 0   # tokens of admitted requests (counted by the scheduler at admission)
         self.prefix_hits = 0      # of which found cached
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -135,8 +135,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
         return blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:

@@ -29,7 +29,9 @@ class _Sample:
 class _Parent:
     output: RequestOutput
     samples: dict[str, _Sample]
-    params: SamplingParams
+    prompt_token_ids: list[int]
+    priority: int
+    pending: list[tuple[str, SamplingParams]]   # samples 1..n-1, submitted once sample 0 is prefilled
 
 
 class OutputProcessor:
@@ -40,19 +42,24 @@ class OutputProcessor:
         self._child_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, priority: int = 0) -> None:
+        """Submit a request. With n > 1 and prefix caching on, sample 0 is submitted now and the
+        others once its prompt is computed, so that they reuse its prompt blocks from the prefix
+        cache instead of computing and storing their own copies."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids)), {}, params)
         children = []
         for i in range(params.n):
             child_params = dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             children.append((f"{request_id}#{i}", child_params))
+        now = children if not self.engine.kv.enable_prefix_caching else children[:1]
+        parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids)), {}, list(prompt_token_ids),
+                         priority, children[len(now):])
         submitted: list[str] = []
         try:
-            for child_id, child_params in children:
-                self.engine.add_request(prompt_token_ids, child_params, request_id=child_id)
+            for child_id, child_params in now:
+                self.engine.add_request(prompt_token_ids, child_params, request_id=child_id, priority=priority)
                 submitted.append(child_id)
         except Exception:
             for child_id in submitted:
@@ -92,6 +99,11 @@ class OutputProcessor:
             if parent_id is None:
                 continue
             parent = self._parents[parent_id]
+            if parent.pending:  # sample 0 has its first token: its prompt blocks are cached
+                for child_id, child_params in parent.pending:
+                    self.engine.add_request(parent.prompt_token_ids, child_params, request_id=child_id,
+                                            priority=parent.priority, arrival_time=request.arrival_time)
+                parent.pending = []
             self._update_sample(request, parent.samples[request.request_id])
             changed[parent_id] = parent.output
         for parent_id, output in changed.items():

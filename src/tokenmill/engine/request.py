@@ -46,17 +46,20 @@ class Request:
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
+    all_token_ids: list[int] = field(init=False)   # prompt + output, kept in step with output_token_ids
+
     def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def is_finished(self) -> bool:

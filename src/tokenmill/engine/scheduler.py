@@ -8,8 +8,9 @@ prompt never stalls the running streams.
 
 Blocks are allocated on demand. When a running request needs a block and none is free, the
 lowest-priority running request (latest arrival among equals) is preempted: its blocks are freed
-and it goes back to the front of the waiting queue, to be recomputed from its tokens later
-(its output so far is kept, so nothing is lost or generated twice).
+and it goes back to the waiting queue at its (priority, arrival) place, ahead of everything that
+arrived after it, to be recomputed from its tokens later (its output so far is kept, so nothing
+is lost or generated twice).
 """
 
 from __future__ import annotations
@@ -80,12 +81,17 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             n = request.num_tokens - num_cached
-            if n > budget and not self.enable_chunked_prefill:
+            # Unchunked, a prompt waits for a step with room for all of it; one longer than any
+            # step's budget (a long prompt, or prompt + output after a preemption) is chunked anyway.
+            if n > budget and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                 break
             n = min(n, budget)
             if not self.kv.allocate_slots(request, n, cached):
                 break
             self.waiting.pop(0)
+            # Counted here, not per lookup: a request retried for many steps counts once.
+            self.kv.prefix_queries += request.num_tokens
+            self.kv.prefix_hits += num_cached
             request.num_computed_tokens = num_cached
             request.num_cached_blocks = len(cached)
             if request.num_preemptions == 0:
@@ -103,7 +109,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.insert(0, request)
+        self.waiting.append(request)
         self.waiting.sort(key=_order)
 
     def remove(self, request: Request) -> None:

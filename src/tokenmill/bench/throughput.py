@@ -1,0 +1,357 @@
+"""`tokenmill bench throughput`: offline throughput on a fixed request mix, vs `transformers`.
+
+N requests (input and output lengths drawn uniformly from fixed ranges with a fixed seed, greedy,
+ignore_eos) are run to completion; each run reports requests/s, output tokens/s and total
+(input + output) tokens/s. Every run happens in its own spawned subprocess, one after the other,
+so the peak resident memory is that engine's own:
+
+- tokenmill with everything on, then leave-one-out rows: without continuous batching (static
+  batches of `max_num_seqs` requests through `LLM.generate`, each waiting for the slowest),
+  without chunked prefill, without prefix caching. Each tokenmill row also records the prefix
+  cache hit rate, the number of preemptions, and its resident memory sampled through the run
+  (the KV pool is preallocated, so it should not grow after warm-up).
+- Hugging Face `transformers` batched `generate`: static batches, left padding with an attention
+  mask, `max_new_tokens` = the batch's longest request; only each request's own requested output
+  tokens count as useful output. Each batch size given is measured and the best is reported.
+
+Prompts are token ids of the exact lengths, cut from a fixed text with the model's tokenizer.
+Each starts with its own tag, so no two share a KV block (prefix caching should find ~nothing),
+and both engines get the same ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+_TEXT = (
+    "The history of computing is a story of people who wanted to calculate faster than they could by hand. "
+    "From the abacus to mechanical calculators, from punched cards to transistors, every generation built "
+    "tools that made the previous one look slow. Charles Babbage designed an engine of brass gears that "
+    "would have printed its own tables, and Ada Lovelace wrote that it might one day compose music. A "
+    "century later, rooms full of vacuum tubes computed artillery tables and broke codes, while engineers "
+    "replaced the tubes one by one as they burned out. The transistor made machines smaller and cheaper; "
+    "the integrated circuit put thousands of them on a chip, and then millions, and then billions. Each "
+    "step changed who could use a computer: first governments, then banks and universities, then offices, "
+    "then homes, and finally pockets. Software grew alongside the hardware, from hand-wired programs to "
+    "assembly, compilers, operating systems and networks that tied the world together. Today a phone holds "
+    "more memory than every computer of the nineteen sixties combined, and people ask it questions in plain "
+    "language. "
+)
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "all on": {},
+    "no continuous batching": {"static_batches": True},
+    "no chunked prefill": {"enable_chunked_prefill": False},
+    "no prefix caching": {"enable_prefix_caching": False},
+}
+RSS_GROWTH_TOLERANCE_MIB = 32.0   # allocator noise; more than this after warm-up counts as growth
+
+
+# ---- the workload ------------------------------------------------------------------------------
+
+def make_lengths(num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                 seed: int) -> list[tuple[int, int]]:
+    """(input_len, output_len) per request, each uniform in its inclusive range."""
+    rng = random.Random(seed)
+    return [(rng.randint(*input_range), rng.randint(*output_range)) for _ in range(num_requests)]
+
+
+def make_prompts(tokenizer, input_lens: list[int], seed: int) -> list[list[int]]:
+    """Token-id prompts of exactly `input_lens[i]` tokens: a per-request tag, then the fixed text
+    from a random offset (the chained block hashes then differ from the first block on)."""
+    stream = tokenizer.encode(_TEXT * (2 + max(input_lens) // 100), add_special_tokens=False)
+    period = len(tokenizer.encode(_TEXT, add_special_tokens=False))
+    if len(stream) < period + max(input_lens):
+        raise ValueError(f"bench text too short for a {max(input_lens)}-token prompt")
+    rng = random.Random(seed + 1)
+    prompts = []
+    for i, n in enumerate(input_lens):
+        offset = rng.randrange(period)
+        ids = tokenizer.encode(f"Request {i}: ", add_special_tokens=False) + stream[offset:offset + n]
+        prompts.append(ids[:n])
+    return prompts
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_mib() -> float:
+    """Current resident memory (Linux /proc); elsewhere the peak so far, the closest portable value."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return _peak_rss_mib()
+
+
+class _RSSSampler:
+    """Samples this process's resident memory every `interval` seconds on a background thread."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []   # (seconds since start, MiB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        start = time.perf_counter()
+        while True:
+            self.samples.append((time.perf_counter() - start, _rss_mib()))
+            if self._stop.wait(self.interval):
+                break
+
+    def __enter__(self) -> _RSSSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((self.samples[-1][0] if self.samples else 0.0, _rss_mib()))
+
+
+def _downsample(samples: list[tuple[float, float]], n: int = 12) -> list[list[float]]:
+    if len(samples) > n:
+        step = (len(samples) - 1) / (n - 1)
+        samples = [samples[round(i * step)] for i in range(n)]
+    return [[round(t, 2), round(m, 1)] for t, m in samples]
+
+
+def _rates(num_requests: int, input_tokens: int, output_tokens: int, elapsed: float) -> dict[str, float]:
+    return {"elapsed_s": elapsed, "requests_per_s": num_requests / elapsed,
+            "output_tok_s": output_tokens / elapsed, "total_tok_s": (input_tokens + output_tokens) / elapsed}
+
+
+# ---- the engines (each in its own subprocess) --------------------------------------------------
+
+def _run_tokenmill(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
+    from tokenmill import LLM, SamplingParams
+
+    options = dict(VARIANTS[variant])
+    static = options.pop("static_batches", False)
+    t0 = time.perf_counter()
+    llm = LLM(cfg["model"], **cfg["engine_args"], **options)
+    load_s = time.perf_counter() - t0
+    prompts, output_lens = cfg["prompts"], cfg["output_lens"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+
+    # Warm-up: one full step of prefill (the token budget) and one full decode batch, so that
+    # activation buffers reach their steady size before the memory baseline is taken.
+    engine_cfg = llm.engine.config
+    warm_n = max(1, min(engine_cfg.max_num_seqs, len(prompts)))
+    warm_len = max(1, min(max(len(p) for p in prompts), engine_cfg.max_num_batched_tokens // warm_n))
+    llm.generate([p[:warm_len] for p in prompts[:warm_n]],
+                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    rss_after_warmup = _rss_mib()
+
+    batch = engine_cfg.max_num_seqs if static else len(prompts)
+    outputs = []
+    with _RSSSampler(cfg["rss_interval_s"]) as sampler:
+        start = time.perf_counter()
+        for idx in _chunks(list(range(len(prompts))), batch):
+            outputs += llm.generate([prompts[i] for i in idx], [params[i] for i in idx], use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    generated = [len(o.outputs[0].token_ids) for o in outputs]
+    rss_max = max(m for _, m in sampler.samples)
+    return {
+        "engine": "tokenmill", "config": variant, "load_s": load_s, "dtype": str(llm.engine.dtype),
+        "device": str(llm.engine.device), "num_requests": len(prompts),
+        **_rates(len(prompts), sum(map(len, prompts)), sum(generated), elapsed),
+        "generated_tokens": generated,
+        "prefix_hit_rate": llm.engine.kv.prefix_hit_rate,
+        "num_preemptions": llm.engine.scheduler.num_preemptions,
+        "static_batch_size": batch if static else None,
+        "peak_rss_mib": _peak_rss_mib(),
+        "rss_after_warmup_mib": rss_after_warmup,
+        "rss_max_during_run_mib": rss_max,
+        "rss_growth_after_warmup_mib": rss_max - rss_after_warmup,
+        "rss_grew_after_warmup": rss_max - rss_after_warmup > RSS_GROWTH_TOLERANCE_MIB,
+        "rss_samples_s_mib": _downsample(sampler.samples),
+    }
+
+
+def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()   # generation-config notes, one per generate call
+    dtype = getattr(torch, cfg["resolved_dtype"])
+    device = torch.device(cfg["resolved_device"])
+    path = Path(cfg["model"])
+    t0 = time.perf_counter()
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.to(device).eval()
+    load_s = time.perf_counter() - t0
+    n = cfg["peer_num_requests"]
+    prompts, output_lens = cfg["prompts"][:n], cfg["output_lens"][:n]
+    pad = cfg["pad_token_id"]
+
+    @torch.inference_mode()
+    def run_batch(batch_prompts: list[list[int]], batch_outputs: list[int]) -> None:
+        width, new = max(map(len, batch_prompts)), max(batch_outputs)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
+        # min_new_tokens = max_new_tokens: EOS is suppressed, every row runs the batch's longest request.
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=pad)
+        if out.shape[1] != width + new:
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, asked for {new}")
+
+    run_batch([p[:8] for p in prompts[:2]], [2, 2])   # warm-up
+    per_batch_size = []
+    for batch_size in cfg["hf_batch_sizes"]:
+        start = time.perf_counter()
+        for idx in _chunks(list(range(len(prompts))), batch_size):
+            run_batch([prompts[i] for i in idx], [output_lens[i] for i in idx])
+        elapsed = time.perf_counter() - start
+        per_batch_size.append({"batch_size": batch_size,
+                               **_rates(len(prompts), sum(map(len, prompts)), sum(output_lens), elapsed)})
+    best = max(per_batch_size, key=lambda r: r["output_tok_s"])
+    return {"engine": "transformers", "config": f"static batches of {best['batch_size']}", "load_s": load_s,
+            "dtype": str(dtype), "device": str(device), "num_requests": len(prompts), **best,
+            "per_batch_size": per_batch_size, "peak_rss_mib": _peak_rss_mib()}
+
+
+def _in_subprocess(fn, *args: Any) -> dict[str, Any]:
+    """Run fn(*args) in a fresh spawned process (a worker that dies raises instead of hanging)."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer,
+                show_progress=False)
+
+
+def _check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
+    from tokenmill.errors import TokenmillError
+
+    lo, hi = lo_hi
+    if not 1 <= lo <= hi:
+        raise TokenmillError(f"{name}: need 1 <= MIN <= MAX, got {lo} {hi}")
+    return lo, hi
+
+
+def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.errors import TokenmillError
+    from tokenmill.llm import default_model_path
+    from tokenmill.tokenizer import load_tokenizer
+
+    input_range = _check_range("--input-len-range", args.input_len_range)
+    output_range = _check_range("--output-len-range", args.output_len_range)
+    if args.num_requests < 1:
+        raise TokenmillError(f"--num-requests: must be >= 1, got {args.num_requests}")
+    if any(b < 1 for b in args.hf_batch_size):
+        raise TokenmillError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
+    model = args.model or default_model_path()
+    tokenizer = load_tokenizer(args.tokenizer or model)
+    lengths = make_lengths(args.num_requests, input_range, output_range, args.seed)
+    prompts = make_prompts(tokenizer, [i for i, _ in lengths], args.seed)
+    output_lens = [o for _, o in lengths]
+    peer_n = min(args.peer_num_requests or args.num_requests, args.num_requests)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_ids or [0])[0]
+    cfg: dict[str, Any] = {
+        "model": model, "engine_args": _engine_args(args), "num_requests": args.num_requests, "seed": args.seed,
+        "input_len_range": list(input_range), "output_len_range": list(output_range),
+        "input_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
+        "peer": not args.no_peer, "peer_num_requests": peer_n, "hf_batch_sizes": args.hf_batch_size,
+        "pad_token_id": pad, "rss_interval_s": 0.5, "threads": os.cpu_count(),
+    }
+    work = {**cfg, "prompts": prompts, "output_lens": output_lens}
+    variants = ["all on"] if args.skip_ablations else list(VARIANTS)
+
+    rows = []
+    for variant in variants:
+        print(f"running tokenmill ({variant}) ...", flush=True)
+        rows.append(_in_subprocess(_run_tokenmill, work, variant))
+    cfg["resolved_dtype"] = rows[0]["dtype"].removeprefix("torch.")
+    cfg["resolved_device"] = rows[0]["device"]
+    if not args.no_peer:
+        print(f"running transformers (batch sizes {args.hf_batch_size}, {peer_n} requests) ...", flush=True)
+        rows.append(_in_subprocess(_run_transformers, {**work, **cfg}))
+    for row in rows:
+        if row["engine"] == "tokenmill" and row["generated_tokens"] != output_lens:
+            raise RuntimeError(f"tokenmill ({row['config']}) generated {row['generated_tokens']} tokens, "
+                               f"asked for {output_lens}")
+
+    _print_report(cfg, rows)
+    report = {"config": cfg, "output_lens": output_lens, "input_lens": [len(p) for p in prompts], "results": rows}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+def _print_report(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    tm = rows[0]
+    hf = rows[-1] if rows[-1]["engine"] == "transformers" else None
+    print(f"\nmodel: {cfg['model']}  dtype: {cfg['resolved_dtype']}  device: {cfg['resolved_device']}  "
+          f"threads: {cfg['threads']}")
+    print(f"workload: {cfg['num_requests']} requests, input {cfg['input_len_range'][0]}-{cfg['input_len_range'][1]} "
+          f"tokens ({cfg['input_tokens']} in all), output {cfg['output_len_range'][0]}-{cfg['output_len_range'][1]} "
+          f"tokens ({cfg['output_tokens']} in all), seed {cfg['seed']}, greedy, ignore_eos")
+    metrics = [("requests/s", "requests_per_s", "{:.3f}"), ("output tok/s", "output_tok_s", "{:.1f}"),
+               ("total tok/s", "total_tok_s", "{:.1f}"), ("peak RSS MiB", "peak_rss_mib", "{:.0f}")]
+    print(f"\n{'metric':<14}{'tokenmill':>12}" + (f"{'transformers':>14}{'tokenmill/transformers':>24}" if hf else ""))
+    for label, key, fmt in metrics:
+        line = f"{label:<14}{fmt.format(tm[key]):>12}"
+        if hf:
+            line += f"{fmt.format(hf[key]):>14}{tm[key] / hf[key]:>23.2f}x"
+        print(line)
+    if hf:
+        tried = ", ".join(f"{r['batch_size']}: {r['output_tok_s']:.1f}" for r in hf["per_batch_size"])
+        subset = "" if hf["num_requests"] == cfg["num_requests"] else (
+            f"; measured on the first {hf['num_requests']} of the {cfg['num_requests']} requests "
+            "(rates per second, comparable; tokenmill ran all of them)")
+        print(f"transformers: best of static batch sizes (output tok/s) {tried}{subset}")
+        print("ratio: tokenmill / transformers (higher is better for tokenmill on rates, lower on RSS)")
+    grew = "GREW" if tm["rss_grew_after_warmup"] else "no growth"
+    print(f"tokenmill RSS: {tm['rss_after_warmup_mib']:.0f} MiB after warm-up, max {tm['rss_max_during_run_mib']:.0f} "
+          f"during the run ({tm['rss_growth_after_warmup_mib']:+.0f} MiB: {grew}, tolerance "
+          f"{RSS_GROWTH_TOLERANCE_MIB:.0f} MiB)")
+
+    ablations = [r for r in rows if r["engine"] == "tokenmill"]
+    if len(ablations) > 1:
+        print(f"\n{'tokenmill leave-one-out':<24}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}{'vs all on':>11}"
+              f"{'peak RSS':>10}{'RSS growth':>12}{'prefix hit':>12}{'preempt':>9}")
+        for r in ablations:
+            print(f"{r['config']:<24}{r['requests_per_s']:>8.3f}{r['output_tok_s']:>11.1f}{r['total_tok_s']:>13.1f}"
+                  f"{r['output_tok_s'] / tm['output_tok_s']:>10.2f}x{r['peak_rss_mib']:>10.0f}"
+                  f"{r['rss_growth_after_warmup_mib']:>+12.0f}{r['prefix_hit_rate']:>12.1%}{r['num_preemptions']:>9d}")
+        static = next((r for r in ablations if r["static_batch_size"]), None)
+        if static:
+            print(f"(no continuous batching: static batches of max_num_seqs = {static['static_batch_size']}, "
+                  "each waiting for its longest request)")
+    else:
+        print(f"prefix hit rate {tm['prefix_hit_rate']:.1%}, preemptions {tm['num_preemptions']}")
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    run_throughput_bench(args)
+    return 0

@@ -1,0 +1,344 @@
+"""BlockPool and KVCacheManager on CPU, with no model: exact block ids, reference counts, LRU
+eviction, revival of cached blocks, chained prefix hashes and all-or-nothing slot allocation.
+
+The last test is a hypothesis state machine that drives the pool with random allocate / share /
+free / cache calls against a plain model of it and checks the pool's invariants after every call.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, hash_block
+from tokenmill.engine.request import Request
+from tokenmill.sampling import SamplingParams
+
+BS = 4  # block size of every manager in this file
+
+
+def make_request(tokens: list[int], request_id: str = "r") -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=8, temperature=0.0), 8, frozenset(),
+                   arrival_time=0.0)
+
+
+def pool_state(pool: BlockPool) -> tuple:
+    return (list(pool.ref_count), list(pool.free_queue), dict(pool.cached), dict(pool.block_hash))
+
+
+def check_pool(pool: BlockPool) -> None:
+    """Every block is either referenced or free (never both); the two hash maps are inverses."""
+    free = list(pool.free_queue)
+    assert len(free) == len(set(free))
+    assert set(free) == {b for b in range(pool.num_blocks) if pool.ref_count[b] == 0}
+    assert all(r >= 0 for r in pool.ref_count)
+    assert pool.num_free + sum(r > 0 for r in pool.ref_count) == pool.num_blocks
+    assert {b: h for h, b in pool.cached.items()} == pool.block_hash
+    assert all(b in pool.block_hash for b in range(pool.num_blocks) if pool.ref_count[b] > 1), \
+        "a shared block must be a cached (full, immutable) block"
+
+
+def computed(manager: KVCacheManager, request: Request, num_new: int, cached: list[int] = ()) -> None:
+    """Allocate and 'compute' num_new tokens of the request, as one engine step would."""
+    assert manager.allocate_slots(request, num_new, cached)
+    request.num_computed_tokens += len(cached) * BS + num_new
+    request.num_cached_blocks = max(request.num_cached_blocks, len(cached))
+    manager.cache_full_blocks(request)
+
+
+# ---- BlockPool ------------------------------------------------------------------------------------
+
+
+def test_allocate_hands_out_blocks_in_order_and_counts_refs():
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    assert pool.ref_count == [1, 1, 1, 1, 1, 0]
+    assert pool.num_free == 1
+    check_pool(pool)
+
+
+def test_allocate_more_than_free_raises_and_changes_nothing():
+    pool = BlockPool(3)
+    pool.allocate(2)
+    before = pool_state(pool)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.allocate(2)
+    assert pool_state(pool) == before
+    assert pool.allocate(0) == []
+
+
+def test_free_releases_in_reverse_table_order():
+    pool = BlockPool(5)
+    table = pool.allocate(3)            # [0, 1, 2]; free queue [3, 4]
+    pool.free(table)
+    assert list(pool.free_queue) == [3, 4, 2, 1, 0]
+    assert pool.allocate(5) == [3, 4, 2, 1, 0]   # the tail of the freed table goes first
+
+
+def test_share_and_free_count_references():
+    pool = BlockPool(4)
+    [b] = pool.allocate(1)
+    pool.cache(b, b"h")
+    pool.share([b])
+    pool.share([b])
+    assert pool.ref_count[b] == 3
+    pool.free([b])
+    pool.free([b])
+    assert pool.ref_count[b] == 1 and b not in pool.free_queue
+    pool.free([b])
+    assert pool.ref_count[b] == 0 and list(pool.free_queue)[-1] == b
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free([b])
+
+
+def test_freed_cached_block_is_revived_by_share():
+    pool = BlockPool(4)
+    [b] = pool.allocate(1)
+    pool.cache(b, b"h")
+    pool.free([b])
+    assert pool.lookup(b"h") == b and pool.num_free == 4    # free, but its K/V are still cached
+    pool.share([b])
+    assert pool.ref_count[b] == 1 and b not in pool.free_queue and pool.lookup(b"h") == b
+    assert b not in pool.allocate(3), "a revived block must not be handed out again"
+    check_pool(pool)
+
+
+def test_eviction_is_least_recently_freed_first():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for b, h in zip(blocks, (b"a", b"b", b"c"), strict=True):
+        pool.cache(b, h)
+    for b in (1, 0, 2):                 # freed in this order: 1 is the least recently used
+        pool.free([b])
+    assert pool.allocate(1) == [1]
+    assert pool.lookup(b"b") is None and 1 not in pool.block_hash   # its hash is evicted with it
+    assert pool.lookup(b"a") == 0 and pool.lookup(b"c") == 2
+    pool.share([0])                     # using block 0 again makes it the most recent on its next free
+    pool.free([0])
+    assert pool.allocate(1) == [2]
+    assert pool.allocate(1) == [0]
+    assert pool.cached == {} and pool.block_hash == {}
+    check_pool(pool)
+
+
+def test_cache_first_writer_wins():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache(a, b"h")
+    pool.cache(b, b"h")         # the same content computed twice: the first block stays the cached one
+    assert pool.lookup(b"h") == a and b not in pool.block_hash
+    pool.cache(a, b"other")     # a block is cached under one hash only
+    assert pool.lookup(b"other") is None and pool.block_hash[a] == b"h"
+    check_pool(pool)
+
+
+# ---- hashes ---------------------------------------------------------------------------------------
+
+
+def test_block_hash_is_chained_over_the_prefix():
+    first = hash_block(None, [1, 2, 3, 4])
+    assert first == hash_block(None, [1, 2, 3, 4])
+    assert first != hash_block(None, [1, 2, 3, 5])
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
+
+
+def test_equal_blocks_after_different_prefixes_do_not_match():
+    manager = KVCacheManager(BlockPool(16), BS, enable_prefix_caching=True)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    owner = make_request(a + b + [0], "owner")
+    computed(manager, owner, 9)
+    assert owner.num_cached_blocks == 2
+    # Same second block, different first block: nothing matches.
+    assert manager.find_cached_prefix(make_request(c + b + [0])) == []
+    # Same first block, different second block: only the first matches.
+    assert manager.find_cached_prefix(make_request(a + c + [0])) == owner.block_ids[:1]
+    # The whole prefix: both blocks.
+    assert manager.find_cached_prefix(make_request(a + b + [7, 7])) == owner.block_ids[:2]
+
+
+# ---- KVCacheManager -------------------------------------------------------------------------------
+
+
+def test_slots_are_allocated_on_demand():
+    manager = KVCacheManager(BlockPool(8), BS, enable_prefix_caching=False)
+    request = make_request(list(range(5)))
+    computed(manager, request, 5)
+    assert request.block_ids == [0, 1]
+    for _ in range(3):                  # decode positions 5, 6, 7 fit the second block
+        request.append_token(0)
+        computed(manager, request, 1)
+        assert request.block_ids == [0, 1]
+    request.append_token(0)  # position 8 needs a third block
+    computed(manager, request, 1)
+    assert request.block_ids == [0, 1, 2]
+    assert manager.pool.ref_count[:4] == [1, 1, 1, 0]
+
+
+def test_allocate_slots_returns_false_and_changes_nothing_when_short():
+    pool = BlockPool(4)
+    manager = KVCacheManager(pool, BS, enable_prefix_caching=True)
+    other = make_request(list(range(9)), "other")
+    computed(manager, other, 9)                    # blocks 0, 1, 2; 0 and 1 cached
+    request = make_request(list(range(8)) + [50] * 9)
+    cached = manager.find_cached_prefix(request)
+    assert cached == [0, 1]
+    manager.free(other)                            # cached blocks 0, 1 are free now: reviving them costs 2
+    before, table = pool_state(pool), list(request.block_ids)
+    # 2 revived + 3 new (17 tokens = 5 blocks) > 4 free.
+    assert not manager.allocate_slots(request, 9, cached)
+    assert pool_state(pool) == before and request.block_ids == table
+    # 2 revived + 1 new (12 tokens) fits, and takes exactly those blocks.
+    assert manager.allocate_slots(request, 4, cached)
+    assert request.block_ids == [0, 1, 3]
+    assert pool.ref_count == [1, 1, 0, 1] and pool.lookup(other.block_hashes[1]) == 1
+    # Growing a running request: false when short, with nothing changed.
+    request.num_computed_tokens = 12
+    big = make_request([7] * 4, "big")
+    computed(manager, big, 4)                      # takes block 2, the last free one
+    before = pool_state(pool)
+    assert not manager.allocate_slots(request, 1)
+    assert pool_state(pool) == before and request.block_ids == [0, 1, 3]
+    check_pool(pool)
+
+
+def test_cached_prefix_leaves_at_least_one_token_to_compute():
+    manager = KVCacheManager(BlockPool(8), BS, enable_prefix_caching=True)
+    owner = make_request(list(range(8)), "owner")
+    computed(manager, owner, 8)
+    assert owner.num_cached_blocks == 2
+    # The same 8 tokens: the last position must produce logits, so only one block is reused.
+    again = make_request(list(range(8)))
+    assert manager.find_cached_prefix(again) == owner.block_ids[:1]
+    assert manager.find_cached_prefix(make_request(list(range(9)))) == owner.block_ids
+
+
+def test_shared_prefix_blocks_are_reference_counted_and_freed():
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, BS, enable_prefix_caching=True)
+    prompt = list(range(10))
+    first = make_request(prompt, "first")
+    computed(manager, first, 10)                     # blocks 0, 1 (cached), 2 (partial)
+    second = make_request(prompt, "second")
+    cached = manager.find_cached_prefix(second)
+    computed(manager, second, 2, cached)
+    assert second.block_ids == [0, 1, 3]
+    assert pool.ref_count[:4] == [2, 2, 1, 1]
+    manager.free(first)
+    assert pool.ref_count[:4] == [1, 1, 0, 1] and first.block_ids == [] and first.num_cached_blocks == 0
+    manager.free(second)
+    assert pool.num_free == pool.num_blocks
+    # Freed in reverse table order: first's tail 2, then second's tail 3, then the shared head 1, 0.
+    assert list(pool.free_queue)[-4:] == [2, 3, 1, 0]
+    check_pool(pool)
+
+
+def test_cache_full_blocks_registers_only_computed_full_blocks():
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, BS, enable_prefix_caching=True)
+    request = make_request(list(range(11)))
+    assert manager.allocate_slots(request, 11)
+    request.num_computed_tokens = 6                  # a chunk: block 0 full, block 1 half written
+    manager.cache_full_blocks(request)
+    assert pool.block_hash == {0: request.block_hashes[0]} and request.num_cached_blocks == 1
+    request.num_computed_tokens = 11
+    manager.cache_full_blocks(request)
+    assert set(pool.block_hash) == {0, 1} and request.num_cached_blocks == 2
+    assert request.block_hashes[1] == hash_block(request.block_hashes[0], [4, 5, 6, 7])
+    # Output tokens extend the hashes: after 12 computed tokens the third block is full.
+    request.append_token(99)
+    assert manager.allocate_slots(request, 1)
+    request.num_computed_tokens = 12
+    manager.cache_full_blocks(request)
+    assert request.block_hashes[2] == hash_block(request.block_hashes[1], [8, 9, 10, 99])
+    assert pool.lookup(request.block_hashes[2]) == 2
+
+
+def test_prefix_caching_disabled_never_matches_or_caches():
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, BS, enable_prefix_caching=False)
+    owner = make_request(list(range(9)), "owner")
+    computed(manager, owner, 9)
+    assert pool.cached == {} and owner.num_cached_blocks == 0
+    assert manager.find_cached_prefix(make_request(list(range(9)))) == []
+    assert manager.prefix_hit_rate == 0.0
+
+
+# ---- property-based: the pool against a model -----------------------------------------------------
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Random allocate / share / free / cache; holders are lists of block ids like block tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.holders: list[list[int]] = []
+        self.hashes = 0
+
+    @initialize(num_blocks=st.integers(1, 12))
+    def create(self, num_blocks):
+        self.pool = BlockPool(num_blocks)
+
+    @rule(n=st.integers(0, 13))
+    def allocate(self, n):
+        pool = self.pool
+        if n > pool.num_free:
+            before = pool_state(pool)
+            with pytest.raises(RuntimeError):
+                pool.allocate(n)
+            assert pool_state(pool) == before
+            return
+        expected = list(pool.free_queue)[:n]
+        evicted = {b for b in expected if b in pool.block_hash}
+        blocks = pool.allocate(n)
+        assert blocks == expected
+        assert not evicted & set(pool.block_hash)
+        self.holders.append(blocks)
+
+    @rule(data=st.data())
+    def share_cached(self, data):
+        if not self.pool.cached:
+            return
+        blocks = data.draw(st.lists(st.sampled_from(sorted(self.pool.block_hash)), unique=True, max_size=4))
+        free_before = self.pool.num_free
+        revived = sum(self.pool.ref_count[b] == 0 for b in blocks)
+        self.pool.share(blocks)
+        assert self.pool.num_free == free_before - revived
+        self.holders.append(blocks)
+
+    @rule(data=st.data())
+    def free(self, data):
+        if not self.holders:
+            return
+        blocks = self.holders.pop(data.draw(st.integers(0, len(self.holders) - 1)))
+        tail = list(self.pool.free_queue)
+        self.pool.free(blocks)
+        released = [b for b in reversed(blocks) if self.pool.ref_count[b] == 0]
+        assert list(self.pool.free_queue) == tail + released
+
+    @rule(data=st.data())
+    def cache(self, data):
+        holder = data.draw(st.sampled_from(self.holders)) if self.holders else []
+        if holder:
+            block = data.draw(st.sampled_from(holder))
+            h = data.draw(st.sampled_from([b"dup", str(self.hashes).encode()]))
+            self.hashes += 1
+            was_cached = block in self.pool.block_hash or h in self.pool.cached
+            self.pool.cache(block, h)
+            assert was_cached or self.pool.lookup(h) == block
+
+    @invariant()
+    def consistent(self):
+        check_pool(self.pool)
+        refs = [0] * self.pool.num_blocks
+        for holder in self.holders:
+            for b in holder:
+                refs[b] += 1
+        assert refs == self.pool.ref_count
+
+
+TestBlockPoolMachine = BlockPoolMachine.TestCase
+TestBlockPoolMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

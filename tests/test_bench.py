@@ -41,3 +41,12 @@ def test_throughput_bench_writes_every_row(tiny_hf_model, tmp_path, capsys):
     assert rows["tokenmill", "no continuous batching"]["static_batch_size"] == 4
     all_on = rows["tokenmill", "all on"]
     assert all_on["output_tok_s"] * all_on["elapsed_s"] == pytest.approx(sum(output_lens))
+
+
+def test_throughput_bench_refuses_a_feature_flag_it_would_override(tiny_hf_model, tmp_path, capsys):
+    rc = main(["bench", "throughput", "--model", str(tiny_hf_model("llama")), "--no-enable-prefix-caching",
+               "--output", str(tmp_path / "t.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--skip-ablations" in err and "Traceback" not in err
+    assert not (tmp_path / "t.json").exists()

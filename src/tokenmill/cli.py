@@ -163,22 +163,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default="bench-results/latency.json")
     b.set_defaults(func=cmd_bench)
 
-    from tokenmill.bench.throughput import cmd_throughput
+    from tokenmill.bench import throughput
     b = bench.add_parser("throughput", help="offline throughput on a mix of requests vs transformers, "
                          "with a leave-one-out table of engine features")
     _add_model_args(b)
-    b.add_argument("--num-requests", type=int, default=64)
+    b.set_defaults(max_num_seqs=throughput.DEFAULT_MAX_NUM_SEQS)   # see throughput.py: sized for 2 CPU cores
+    b.add_argument("--num-requests", type=int, default=throughput.DEFAULT_NUM_REQUESTS,
+                   help=f"requests in the workload (the issue's size: {throughput.ISSUE_NUM_REQUESTS})")
     b.add_argument("--seed", type=int, default=0, help="seed of the request lengths and prompts")
     b.add_argument("--input-len-range", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     b.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
-    b.add_argument("--peer-num-requests", type=int, default=None,
-                   help="run transformers on the first N requests only (default: all)")
+    b.add_argument("--peer-num-requests", type=int, default=throughput.DEFAULT_PEER_NUM_REQUESTS,
+                   help="run transformers on the first N requests only (its rates are per second, so comparable)")
     b.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
-                   help="transformers static batch sizes to try; the best is reported")
-    b.add_argument("--skip-ablations", action="store_true", help="only tokenmill with everything on")
+                   help="transformers static batch sizes to try (e.g. 8 16 32); the best is reported")
+    b.add_argument("--skip-ablations", action="store_true",
+                   help="one tokenmill row, with the engine flags as given (no leave-one-out table)")
     b.add_argument("--output", default="bench-results/throughput.json")
-    b.set_defaults(func=cmd_throughput)
+    b.set_defaults(func=throughput.cmd_throughput)
     return parser
 
 

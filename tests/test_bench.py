@@ -28,7 +28,7 @@ def test_throughput_bench_writes_every_row(tiny_hf_model, tmp_path, capsys):
     assert configs == ["all on", "no continuous batching", "no chunked prefill", "no prefix caching"]
     assert [e for e, _ in rows].count("transformers") == 1
     for (engine, config), row in rows.items():
-        for key in ("requests_per_s", "output_tok_s", "total_tok_s", "elapsed_s", "peak_rss_mib"):
+        for key in ("requests_per_s", "output_tok_s", "total_tok_s", "elapsed_s", "cpu_share", "peak_rss_mib"):
             assert row[key] > 0, (engine, config, key)
         if engine == "tokenmill":
             assert row["generated_tokens"] == output_lens, config

@@ -136,7 +136,9 @@ def test_paged_attention_decode_batch_equals_contiguous_on_both_paths(heads, kv_
     out = layer(q, k, v, meta)            # the batched decode path
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     # The varlen path over the same (now written) cache gives the same rows.
-    varlen = layer._varlen(q, cache[0], cache[1], meta).reshape(q.shape[0], -1)
+    varlen = torch.empty_like(q)  # the per-request SDPA path, forced on single-query requests
+    layer._varlen(q, cache[0], cache[1], meta, list(range(len(meta.seq_lens))), varlen)
+    varlen = varlen.reshape(q.shape[0], -1)
     torch.testing.assert_close(varlen.double(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     b.add_argument("--peer-num-requests", type=int, default=throughput.DEFAULT_PEER_NUM_REQUESTS,
                    help="run transformers on the first N requests only (its rates are per second, so comparable)")
-    b.add_argument("--hf-batch-size", type=int, nargs="+", default=[16],
+    b.add_argument("--hf-batch-size", type=int, nargs="+", default=throughput.DEFAULT_HF_BATCH_SIZES,
                    help="transformers static batch sizes to try (e.g. 8 16 32); the best is reported")
     b.add_argument("--skip-ablations", action="store_true",
                    help="one tokenmill row, with the engine flags as given (no leave-one-out table)")

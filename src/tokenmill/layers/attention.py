@@ -17,6 +17,7 @@ first seq_lens[b] slots of its own blocks (causally: query at position p sees ke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,17 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return len(self.query_start_loc) - 1 == int(self.slot_mapping.numel())
+
+    @cached_property
+    def split(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(requests with a single query row, their rows, the other requests), computed once per
+        step: in a mixed step the single-query rows still take the batched decode path."""
+        starts = self.query_start_loc
+        single = [b for b in range(len(self.seq_lens)) if starts[b + 1] - starts[b] == 1]
+        multi = [b for b in range(len(self.seq_lens)) if starts[b + 1] - starts[b] > 1]
+        device = self.block_tables.device
+        return (torch.tensor(single, dtype=torch.int64, device=device),
+                torch.tensor([starts[b] for b in single], dtype=torch.int64, device=device), multi)
 
 
 class Attention(nn.Module):
@@ -57,33 +69,39 @@ class Attention(nn.Module):
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         if meta.is_decode_only:
-            out = self._decode(q, k_cache, v_cache, meta)
+            out = self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor)
         else:
-            out = self._varlen(q, k_cache, v_cache, meta)
+            out = torch.empty_like(q)
+            single, rows, multi = meta.split
+            if single.numel():
+                decoded = self._decode(q[rows], k_cache, v_cache, meta.block_tables[single],
+                                       meta.seq_lens_tensor[single])
+                out[rows] = decoded.reshape(-1, self.num_heads, self.head_dim)
+            self._varlen(q, k_cache, v_cache, meta, multi, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
         """One query per request: grouped-query matmuls over each request's gathered blocks."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = k_cache[meta.block_tables].flatten(1, 2).float()    # [B, L, kv_heads, head_dim]
-        values = v_cache[meta.block_tables].flatten(1, 2).float()
+        keys = k_cache[block_tables].flatten(1, 2).float()    # [B, L, kv_heads, head_dim]
+        values = v_cache[block_tables].flatten(1, 2).float()
         qg = q.float().view(batch, self.num_kv_heads, group, self.head_dim)
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale   # [B, kv_heads, group, L]
         length = keys.shape[1]
-        pad = torch.arange(length, device=q.device)[None, :] >= meta.seq_lens_tensor[:, None]
+        pad = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values.permute(0, 2, 1, 3))              # [B, kv_heads, group, hd]
         return out.to(q.dtype)
 
     def _varlen(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Any mix of prefill chunks and decodes: one causal SDPA call per request."""
-        out = torch.empty_like(q)
+                meta: AttentionMetadata, requests: list[int], out: torch.Tensor) -> None:
+        """Requests with several query rows (prefill chunks): one causal SDPA call each, into `out`."""
         starts = meta.query_start_loc
-        for b, seq_len in enumerate(meta.seq_lens):
+        for b in requests:
+            seq_len = meta.seq_lens[b]
             q_start, q_end = starts[b], starts[b + 1]
             num_q = q_end - q_start
             num_blocks = -(-seq_len // meta.block_size)
@@ -103,7 +121,6 @@ class Attention(nn.Module):
                 attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
             )
             out[q_start:q_end] = o[0].transpose(0, 1)
-        return out
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:

@@ -29,7 +29,20 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def _peak_rss_mib() -> float:
+def load_hf_peer(model: str, dtype):
+    """The same checkpoint in Hugging Face `transformers` (a GGUF file is loaded with `gguf_file=`,
+    dequantized), in eval mode: the peer every benchmark compares against."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model)
+    if path.is_file():
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return hf.eval()
+
+
+def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -56,24 +69,18 @@ def _run_tokenmill(cfg: dict[str, Any]) -> dict[str, Any]:
     ttft = statistics.median(timed(ids, 1) for _ in range(cfg["repeats"]))
     total = statistics.median(timed(ids, cfg["decode_tokens"]) for _ in range(cfg["repeats"]))
     result["decode_tok_s"] = (cfg["decode_tokens"] - 1) / (total - ttft)
-    result["peak_rss_mib"] = _peak_rss_mib()
+    result["peak_rss_mib"] = peak_rss_mib()
     return result
 
 
 def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tokenmill.tokenizer import load_tokenizer
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["resolved_dtype"]]
-    path = Path(cfg["model"])
     t0 = time.perf_counter()
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model.eval()
+    model = load_hf_peer(cfg["model"], dtype)
     load_s = time.perf_counter() - t0
     tokenizer = load_tokenizer(cfg["model"])
     result: dict[str, Any] = {"engine": "transformers", "load_s": load_s, "dtype": str(dtype)}
@@ -95,7 +102,7 @@ def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     ttft = statistics.median(timed(ids, 1) for _ in range(cfg["repeats"]))
     total = statistics.median(timed(ids, cfg["decode_tokens"]) for _ in range(cfg["repeats"]))
     result["decode_tok_s"] = (cfg["decode_tokens"] - 1) / (total - ttft)
-    result["peak_rss_mib"] = _peak_rss_mib()
+    result["peak_rss_mib"] = peak_rss_mib()
     return result
 
 

@@ -26,12 +26,13 @@ import json
 import multiprocessing as mp
 import os
 import random
-import resource
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from tokenmill.bench.latency import load_hf_peer, peak_rss_mib
 
 _TEXT = (
     "The history of computing is a story of people who wanted to calculate faster than they could by hand. "
@@ -99,17 +100,13 @@ def _chunks(items: list, size: int) -> list[list]:
 
 # ---- memory ------------------------------------------------------------------------------------
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _rss_mib() -> float:
     """Current resident memory (Linux /proc); elsewhere the peak so far, the closest portable value."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
-        return _peak_rss_mib()
+        return peak_rss_mib()
 
 
 class _RSSSampler:
@@ -205,7 +202,7 @@ def _run_tokenmill(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "prefix_hit_rate": (kv.prefix_hits - hits) / max(1, kv.prefix_queries - queries),
         "num_preemptions": scheduler.num_preemptions - preemptions,
         "static_batch_size": batch if static else None,
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib(),
         "rss_after_warmup_mib": rss_after_warmup,
         "rss_max_during_run_mib": rss_max,
         "rss_growth_after_warmup_mib": rss_max - rss_after_warmup,
@@ -218,18 +215,12 @@ def _run_tokenmill(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, An
 def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()   # generation-config notes, one per generate call
     dtype = getattr(torch, cfg["resolved_dtype"])
     device = torch.device(cfg["resolved_device"])
-    path = Path(cfg["model"])
     t0 = time.perf_counter()
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model.to(device).eval()
+    model = load_hf_peer(cfg["model"], dtype).to(device)
     load_s = time.perf_counter() - t0
     n = cfg["peer_num_requests"]
     prompts, output_lens = cfg["prompts"][:n], cfg["output_lens"][:n]
@@ -260,7 +251,7 @@ def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"engine": "transformers", "config": f"static batches of {best['batch_size']}", "load_s": load_s,
             "dtype": str(dtype), "device": str(device), "torch_threads": torch.get_num_threads(),
             "num_requests": len(prompts), **best,
-            "per_batch_size": per_batch_size, "peak_rss_mib": _peak_rss_mib()}
+            "per_batch_size": per_batch_size, "peak_rss_mib": peak_rss_mib()}
 
 
 def _timed_run(fn, *args: Any) -> dict[str, Any]:

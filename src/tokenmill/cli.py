@@ -23,7 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=None, help="a .gguf file or an HF folder (default: the embedded "
                    "SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="load the tokenizer from another .gguf file or HF folder")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16) | float32 | bfloat16 | float16 (CUDA)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it, else fp32) | float32 | bfloat16 | float16 (CUDA)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

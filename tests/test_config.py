@@ -1,0 +1,25 @@
+"""dtype 'auto' follows the hardware: bf16 only where the CPU multiplies bf16 natively."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import TokenmillError, config
+
+
+@pytest.mark.parametrize("fast_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_cpu_follows_bf16_support(monkeypatch, fast_bf16, expected):
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: fast_bf16)
+    assert config.resolve_dtype("auto", torch.device("cpu")) == expected
+
+
+def test_auto_dtype_on_cuda_is_bf16(monkeypatch):
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_explicit_dtype_wins_and_fp16_is_refused_on_cpu():
+    assert config.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(TokenmillError, match="float16 is not supported on CPU"):
+        config.resolve_dtype("float16", torch.device("cpu"))

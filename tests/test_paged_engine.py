@@ -126,13 +126,15 @@ def test_paged_attention_mixed_batch_equals_contiguous(heads, kv_heads, block_si
     assert torch.equal(cache, written), "the layer writes exactly its tokens' slots, nothing else"
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA)
-def test_paged_attention_decode_batch_equals_contiguous_on_both_paths(heads, kv_heads, block_size):
+def test_paged_attention_decode_batch_equals_contiguous_on_both_paths(heads, kv_heads, block_size, backend):
     cache, q, k, v, meta, expected = paged_case(DECODE, heads, kv_heads, block_size, seed=1)
     assert meta.is_decode_only
     layer = Attention(heads, kv_heads, 8, 8**-0.5)
     layer.kv_cache = cache
+    layer.backend = backend
     out = layer(q, k, v, meta)            # the batched decode path
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     # The varlen path over the same (now written) cache gives the same rows.

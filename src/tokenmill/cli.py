@@ -23,18 +23,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=None, help="a .gguf file or an HF folder (default: the embedded "
                    "SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="load the tokenizer from another .gguf file or HF folder")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it, else fp32) | float32 | bfloat16 | float16 (CUDA)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where the hardware has it, else fp32) | float32 | bfloat16 | float16 (CUDA)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 1 GiB)")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV cache (default: a quarter of the free memory, at most 4 GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV pool size in blocks")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill prompts longer than the step's token budget in chunks")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
+                   help="auto: the C decode-attention kernel on CPU where it builds; torch: the plain PyTorch "
+                   "reference")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -59,7 +64,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, show_progress=True)
+                enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
+                show_progress=True)
 
 
 def _sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:

@@ -155,21 +155,25 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return resolved
 
 
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
 @dataclass
 class EngineConfig:
     """How to run a model: every engine knob, validated in one place (names follow vLLM's)."""
 
     model: str | None = None               # .gguf file or HF folder; None = the embedded default model
-    dtype: str = "auto"                    # auto (bf16 if fast here, else fp32) | float32 | bfloat16 | float16 (CUDA only)
+    dtype: str = "auto"                    # auto (bf16 if fast here, else fp32) | float32 | bfloat16 | float16
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None       # context limit; default: the model's, capped by the KV pool
     block_size: int = 16                   # tokens per KV block
     max_num_seqs: int = 64                 # running requests per step
     max_num_batched_tokens: int = 2048     # tokens per step (prefill chunks + decodes)
-    kv_cache_memory: int | None = None     # bytes for the KV pool; default 1 GiB
+    kv_cache_memory: int | None = None     # bytes for the KV pool; default 1/4 of free memory, <= 4 GiB
     num_kv_blocks: int | None = None       # explicit pool size (overrides kv_cache_memory)
     enable_prefix_caching: bool = True     # reuse the KV blocks of shared prompt prefixes
     enable_chunked_prefill: bool = True    # split prompts longer than the step's token budget
+    attention_backend: str = "auto"        # auto (C decode kernel on CPU where it builds) | torch (reference)
     show_progress: bool = False            # progress bars while loading
 
     def __post_init__(self) -> None:
@@ -178,6 +182,9 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
+                                 f"{', '.join(ATTENTION_BACKENDS)}")
 
 
 def _check_positive(name: str, value: object) -> None:

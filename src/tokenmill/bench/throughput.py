@@ -278,7 +278,7 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer,
                 enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-                show_progress=False)
+                attention_backend=args.attention_backend, show_progress=False)
 
 
 def _check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:

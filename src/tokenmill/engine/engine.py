@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+
+import torch
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
@@ -21,7 +24,28 @@ from tokenmill.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
+# Default KV pool: a quarter of the memory still available once the weights are loaded, at most
+# 4 GiB (and never more than max_num_seqs full-length requests can use).
+DEFAULT_KV_FRACTION = 0.25
+DEFAULT_KV_CAP = 4 << 30
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV pool could take on `device` right now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    return min(int(available_memory(device) * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
 
 
 class LLMEngine:
@@ -39,7 +63,8 @@ class LLMEngine:
         else:  # the memory budget, but no more than max_num_seqs full-length requests need
             context = config.max_model_len or mc.max_position_embeddings
             useful = config.max_num_seqs * -(-context // config.block_size)
-            num_blocks = max(1, min((config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes, useful))
+            budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+            num_blocks = max(1, min(budget // block_bytes, useful))
         capacity = num_blocks * config.block_size
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise TokenmillError(f"max_model_len ({config.max_model_len}) exceeds the model's context length "
@@ -48,7 +73,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device,
+                                  config.attention_backend)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}

@@ -26,14 +26,14 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 vocab_size: int, device: torch.device):
+                 vocab_size: int, device: torch.device, attention_backend: str = "auto"):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
-        bind_kv_caches(model, kv_caches)
+        bind_kv_caches(model, kv_caches, attention_backend)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                       list[int], list[Request]]:

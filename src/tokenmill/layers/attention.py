@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -50,7 +52,12 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Writes K/V into this layer's cache slots, then attends (the plain PyTorch backend)."""
+    """Writes K/V into this layer's cache slots, then attends.
+
+    Backends: "torch" is the plain PyTorch reference (the oracle every faster path is tested
+    against); "auto" runs single-query rows with the C kernel (tokenmill/kernels) on CPU when it
+    builds, which reads each request's blocks in place instead of gathering and padding them.
+    Prefill chunks use SDPA in both."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -59,6 +66,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # bound once by the runner, see bind_kv_caches
+        self.backend = "auto"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
@@ -82,7 +90,16 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
-        """One query per request: grouped-query matmuls over each request's gathered blocks."""
+        """One query per request -> [B, heads, head_dim]."""
+        if self.backend == "auto" and kernels.supports_paged_decode(k_cache):
+            out = kernels.paged_decode(q.view(q.shape[0], self.num_heads, self.head_dim), k_cache, v_cache,
+                                       block_tables, seq_lens, self.scale)
+            return out.to(q.dtype)
+        return self._decode_torch(q, k_cache, v_cache, block_tables, seq_lens)
+
+    def _decode_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor) -> torch.Tensor:
+        """The reference: grouped-query matmuls over each request's gathered (padded) blocks."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = k_cache[block_tables].flatten(1, 2).float()    # [B, L, kv_heads, head_dim]
@@ -94,7 +111,7 @@ class Attention(nn.Module):
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values.permute(0, 2, 1, 3))              # [B, kv_heads, group, hd]
-        return out.to(q.dtype)
+        return out.to(q.dtype).view(batch, self.num_heads, self.head_dim)
 
     def _varlen(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, requests: list[int], out: torch.Tensor) -> None:
@@ -123,10 +140,11 @@ class Attention(nn.Module):
             out[q_start:q_end] = o[0].transpose(0, 1)
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
-    """Give each Attention layer (in module order) its cache tensor."""
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], backend: str = "auto") -> None:
+    """Give each Attention layer (in module order) its cache tensor and the attention backend."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV cache tensors")
     for layer, cache in zip(layers, kv_caches, strict=True):
         layer.kv_cache = cache
+        layer.backend = backend

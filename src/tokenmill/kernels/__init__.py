@@ -1,0 +1,115 @@
+"""CPU kernels written in C where no PyTorch op fits, compiled on first use and called by ctypes.
+
+The C source ships with the package; it is compiled once per machine with the system's C compiler
+(`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
+The build links OpenMP by soname, so at run time it shares the runtime PyTorch already loaded (one
+thread pool, not two). Without a compiler the callers fall back to their PyTorch path: `load()`
+returns None and says why in the log, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    """-march=native builds for this CPU: a cache shared with another CPU must not reuse it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key loses nothing
+    return target
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged once) if it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: decode attention uses the slower PyTorch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("could not build the C attention kernel (%s): decode attention uses the slower "
+                       "PyTorch path", e)
+        return None
+    args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
+        ctypes.c_float, ctypes.c_int]
+    for name in ("paged_decode_f32", "paged_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
+
+
+_DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def supports_paged_decode(cache: torch.Tensor) -> bool:
+    return cache.device.type == "cpu" and cache.dtype in _DECODE_FN and load() is not None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, heads, head_dim] -> fp32 [B, heads, head_dim]; caches [blocks, block_size, kv_heads,
+    head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64. Caller checks
+    supports_paged_decode(k_cache) first."""
+    lib = load()
+    q = q.float().contiguous()
+    block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    failed = getattr(lib, _DECODE_FN[k_cache.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size, scale,
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged decode attention: out of memory for the score buffer")
+    return out

@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one tokenmill row, with the engine flags as given (no leave-one-out table)")
     b.add_argument("--output", default="bench-results/throughput.json")
     b.set_defaults(func=throughput.cmd_throughput)
+
+    from tokenmill.bench import roofline
+    b = bench.add_parser("roofline", help="bytes and FLOPs per step, this machine's bandwidth and matmul peak, the "
+                         "bound in tokens/s, and the measured tokens/s as a fraction of it")
+    b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    _add_model_args(b)
+    roofline.add_roofline_args(b)
+    b.set_defaults(func=roofline.cmd_roofline)
     return parser
 
 

@@ -1,0 +1,216 @@
+"""`tokenmill bench roofline [MODEL]`: how fast a step could be on this machine, and how fast it is.
+
+A decode step of a batch of B requests reads every weight once (the LM head included) plus each
+request's cached K/V, and does ~2 FLOPs per weight per row plus the attention's 4 FLOPs per
+(query head dim x context token). Its time is at least max(bytes / bandwidth, FLOPs / matmul peak);
+the bound in tokens/s is B over that. The machine's read bandwidth and matmul peak are measured
+here, in this process, with torch's threads; the engine then runs the same step and the table shows
+the measured tokens/s as a fraction of the bound. Prefill (one prompt) is the same sum with T rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.config import ModelConfig
+
+
+@dataclass
+class Machine:
+    threads: int
+    read_gb_s: float          # sum over a buffer far larger than the caches
+    matmul_gflop_s: float     # a large square matmul in the compute dtype
+
+
+def measure_machine(dtype: torch.dtype, buffer_bytes: int = 1 << 30, n: int = 2048, repeats: int = 5) -> Machine:
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+    read = buffer_bytes / best(buf.sum) / 1e9
+    del buf
+    a = torch.randn(n, n).to(dtype)
+    flops = 2 * n**3 / best(lambda: a @ a) / 1e9
+    return Machine(torch.get_num_threads(), read, flops)
+
+
+def weight_bytes_per_step(model: torch.nn.Module, vocab_size: int) -> int:
+    """Bytes of every weight a step reads: all parameters and buffers once, except embedding tables
+    and rotary caches (a step reads only its rows of those), plus a tied LM head's table."""
+    from tokenmill.layers.linear import Embedding
+    from tokenmill.layers.rotary import RotaryEmbedding
+
+    skipped: set[int] = set()
+    tied = getattr(model, "lm_head", "absent") is None
+    extra = 0
+    for module in model.modules():
+        if isinstance(module, (Embedding, RotaryEmbedding)):
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                skipped.add(t.data_ptr())
+                if tied and isinstance(module, Embedding) and t.shape[0] == vocab_size:
+                    extra += t.numel() * t.element_size()
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.data_ptr()
+        if ptr in seen or ptr in skipped:
+            continue
+        seen.add(ptr)
+        total += t.numel() * t.element_size()
+    return total + extra
+
+
+def matmul_flops_per_row(cfg: ModelConfig) -> int:
+    """2 x the multiply-adds of the dense projections and the LM head, for one token."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    gated = cfg.architecture != "gpt2"
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + \
+        (3 if gated else 2) * cfg.hidden_size * cfg.intermediate_size
+    return 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
+
+
+def attention_flops(cfg: ModelConfig, queries: int, context: int) -> int:
+    """QK^T and PV for `queries` rows that each see `context` tokens."""
+    return 4 * queries * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+
+
+@dataclass
+class Row:
+    name: str
+    tokens: int               # tokens produced (decode) or processed (prefill) per step
+    bytes: int
+    flops: int
+    bound_by: str
+    bound_tok_s: float
+    measured_tok_s: float
+
+    @property
+    def fraction(self) -> float:
+        return self.measured_tok_s / self.bound_tok_s
+
+
+def bound(name: str, tokens: int, nbytes: int, flops: int, machine: Machine, measured_tok_s: float) -> Row:
+    t_mem, t_flop = nbytes / (machine.read_gb_s * 1e9), flops / (machine.matmul_gflop_s * 1e9)
+    return Row(name, tokens, nbytes, flops, "memory" if t_mem >= t_flop else "compute",
+               tokens / max(t_mem, t_flop), measured_tok_s)
+
+
+def _measure_decode(llm, batch: int, context: int, steps: int) -> float:
+    """Tokens/s of decode steps of `batch` requests whose context is about `context` tokens."""
+    from tokenmill import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    engine.step()   # the first all-decode step (warm-up)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return batch * steps / elapsed
+
+
+def _measure_prefill(llm, length: int, repeats: int) -> float:
+    from tokenmill import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(length)
+    vocab = engine.model_config.vocab_size
+    best = float("inf")
+    for i in range(repeats + 1):   # the first is a warm-up
+        ids = [rng.randrange(vocab) for _ in range(length)]   # fresh ids: no prefix-cache hit
+        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return length / best
+
+
+def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill import LLM
+    from tokenmill.engine.kv_cache import kv_bytes_per_token
+    from tokenmill.errors import TokenmillError
+
+    if any(b < 1 for b in args.batch_size) or args.context < 1 or args.prefill_len < 1:
+        raise TokenmillError("--batch-size, --context and --prefill-len must be >= 1")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_size),
+              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
+              attention_backend=args.attention_backend)
+    engine = llm.engine
+    if engine.device.type != "cpu":
+        raise TokenmillError("bench roofline measures this CPU; run it with --device cpu")
+    cfg, dtype = engine.model_config, engine.dtype
+    machine = measure_machine(dtype)
+    weights = weight_bytes_per_step(engine.model, cfg.vocab_size)
+    kv_token = kv_bytes_per_token(cfg, dtype)
+    per_row = matmul_flops_per_row(cfg)
+    rows = []
+    for batch in args.batch_size:
+        measured = _measure_decode(llm, batch, args.context, args.steps)
+        nbytes = weights + batch * (args.context + 1) * kv_token
+        flops = batch * per_row + attention_flops(cfg, batch, args.context + 1)
+        rows.append(bound(f"decode batch {batch}, context {args.context}", batch, nbytes, flops, machine, measured))
+    measured = _measure_prefill(llm, args.prefill_len, args.repeats)
+    n = args.prefill_len
+    rows.append(bound(f"prefill {n} tokens", n, weights + n * kv_token, n * per_row +
+                      attention_flops(cfg, n, (n + 1) // 2), machine, measured))
+
+    print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "
+          f"weights read per step: {weights / 2**20:.1f} MiB  KV: {kv_token} B/token")
+    print(f"machine ({machine.threads} threads): read bandwidth {machine.read_gb_s:.1f} GB/s, "
+          f"{str(dtype).removeprefix('torch.')} matmul {machine.matmul_gflop_s:.0f} GFLOP/s "
+          f"(load average {os.getloadavg()[0]:.1f}: other work on the cores lowers both)")
+    print(f"\n{'step':<32}{'MiB/step':>10}{'GFLOP/step':>12}{'bound by':>10}{'bound tok/s':>13}"
+          f"{'measured':>10}{'fraction':>10}")
+    for r in rows:
+        print(f"{r.name:<32}{r.bytes / 2**20:>10.1f}{r.flops / 1e9:>12.2f}{r.bound_by:>10}{r.bound_tok_s:>13.1f}"
+              f"{r.measured_tok_s:>10.1f}{r.fraction:>9.0%}")
+    report = {"model": llm.engine.config.model, "dtype": str(dtype), "machine": asdict(machine),
+              "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_token,
+              "rows": [{**asdict(r), "fraction": r.fraction} for r in rows]}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+def add_roofline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, action="append", default=None,
+                   help="decode batch size (repeatable; default 1 and 32)")
+    p.add_argument("--context", type=int, default=256, help="cached tokens per request during decode")
+    p.add_argument("--prefill-len", type=int, default=512, help="prompt length of the prefill row")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    p.add_argument("--repeats", type=int, default=3, help="prefill repeats (best is reported)")
+    p.add_argument("--output", default="bench-results/roofline.json")
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    args.model = args.model_path or args.model
+    args.batch_size = args.batch_size or [1, 32]
+    run_roofline(args)
+    return 0

@@ -1,0 +1,51 @@
+"""`tokenmill bench roofline`: its byte and FLOP counts against transformers' parameter lists, and
+the command end to end on a tiny model (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_helpers import make_engine
+from transformers import AutoModelForCausalLM
+
+from tokenmill.bench.roofline import matmul_flops_per_row, weight_bytes_per_step
+from tokenmill.cli import main
+
+EMBEDDINGS = ("embed_tokens", "wte", "wpe")
+
+
+@pytest.mark.parametrize("kind", ["llama", "smollm", "qwen2", "gpt2"])
+def test_bytes_and_flops_match_the_reference_parameter_list(kind, tiny_hf_model):
+    path = tiny_hf_model(kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tied = hf.config.tie_word_embeddings
+    named = dict(hf.named_parameters())     # a tied LM head is listed once, as the embedding
+    embed = hf.get_input_embeddings().weight
+    read = [p for n, p in named.items() if not any(e in n for e in EMBEDDINGS)] + ([embed] if tied else [])
+    engine = make_engine(path)
+    cfg = engine.model_config
+    assert weight_bytes_per_step(engine.model, cfg.vocab_size) == 4 * sum(p.numel() for p in read)
+    matrices = [p for p in read if p.dim() == 2]
+    assert matmul_flops_per_row(cfg) == 2 * sum(p.numel() for p in matrices)
+
+
+def test_roofline_command_end_to_end(tiny_hf_model, tmp_path, capsys):
+    out = tmp_path / "roofline.json"
+    rc = main(["bench", "roofline", str(tiny_hf_model("smollm")), "--dtype", "float32", "--device", "cpu",
+               "--batch-size", "1", "--batch-size", "3", "--context", "20", "--prefill-len", "24", "--steps", "2",
+               "--repeats", "1", "--output", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "read bandwidth" in printed and "fraction" in printed
+    report = json.loads(out.read_text())
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["decode batch 1, context 20", "decode batch 3, context 20", "prefill 24 tokens"]
+    assert report["machine"]["read_gb_s"] > 0 and report["machine"]["matmul_gflop_s"] > 0
+    for row in report["rows"]:
+        assert row["bound_tok_s"] > 0 and row["measured_tok_s"] > 0
+        assert row["bound_by"] in ("memory", "compute")
+        assert row["fraction"] == pytest.approx(row["measured_tok_s"] / row["bound_tok_s"])
+    batch1, batch3 = report["rows"][0], report["rows"][1]
+    assert batch3["bytes"] - batch1["bytes"] == 2 * 21 * report["kv_bytes_per_token"]

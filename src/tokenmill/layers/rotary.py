@@ -53,15 +53,21 @@ class RotaryEmbedding(nn.Module):
     def _build_cache(self) -> None:
         t = torch.arange(self.max_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Full-width tables for the rotate-half layout: cos over both halves, sin negated on the
+        # first half, so a rotation is x * cos + roll(x, half) * sin (4 ops instead of 8).
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim // 2] (broadcast over heads)."""
+        """cos, signed sin of shape [T, 1, head_dim] (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] in the rotate-half layout; computed in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """Rotate x [T, heads, head_dim] in the rotate-half layout ([x1, x2] -> [x1 cos - x2 sin,
+    x2 cos + x1 sin]) with the tables of RotaryEmbedding.forward; computed in float32."""
+    if x.dtype == torch.float32:
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    h = x.float()
+    return (h * cos + h.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)

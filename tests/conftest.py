@@ -2,7 +2,8 @@
 
 `tiny_hf_model(kind)` and `tiny_gguf_model(kind, ftype)` are session-scoped factories: each
 checkpoint is built on first use, in a session temporary folder, and reused after that. Kinds are
-`tiny_models.KINDS`; file types are `tiny_models.FTYPES` ("F32", "F16", "Q8_0").
+`tiny_models.KINDS` (plus "llama256", for K-quant files); file types are `tiny_models.FTYPES`
+("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K").
 """
 
 from __future__ import annotations

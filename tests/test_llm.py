@@ -386,10 +386,12 @@ def default_llm(default_gguf_path) -> LLM:
 
 
 @pytest.mark.slow
-def test_default_model_greedy_matches_transformers(default_llm, default_gguf_path):
+def test_default_model_greedy_matches_transformers(default_gguf_path):
+    # the dequantized reference path (transformers dequantizes too); the default, quantized
+    # execution is compared with it in test_quant.py
+    llm = LLM(str(default_gguf_path), dtype="float32", quantization="none")
     prompts = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]
-    outs = default_llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                                use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     ref_model = AutoModelForCausalLM.from_pretrained(
         str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32).eval()
     for out in outs:

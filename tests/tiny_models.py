@@ -42,7 +42,9 @@ GGUF conventions (llama.cpp):
   use NEOX rope in llama.cpp and are stored unpermuted.
 - gpt2's Conv1D weights (c_attn, c_proj, c_fc) are transposed to [out, in]; `attn_qkv` stays fused.
 - Tensors stay F32 when 1-D, named `*_norm.weight`, not ending in `.weight` (biases), or
-  `position_embd`; the rest take the file type (F32, F16 or Q8_0 via `gguf.quants.quantize`).
+  `position_embd`; the rest take the file type (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 via
+  `gguf.quants.quantize`; Q4_K via `quantize_q4_k`, which needs rows of 256 values, e.g. the
+  `llama256` kind).
   Tied output embeddings are not written (no `output.weight`), as llama.cpp does.
 - Tokenizer: `tokenizer.ggml.model` "gpt2", `.pre` "gpt-2" (llama.cpp would reject this tokenizer's
   unknown hash; "gpt-2" names its pre-tokenizer regex), `.tokens` (padded with "[PAD{i}]" up to
@@ -64,7 +66,7 @@ import numpy as np
 import torch
 
 KINDS = ("llama", "llama3", "smollm", "mistral", "qwen2", "qwen3", "gpt2")
-FTYPES = ("F32", "F16", "Q8_0")
+FTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 UNK_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
@@ -139,6 +141,11 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # GPT-2: LayerNorm with biases, learned positions, fused Conv1D qkv, GELU, tied lm_head
     "gpt2": ("GPT2Config", dict(
         n_embd=64, n_layer=2, n_head=4, n_positions=256, n_ctx=256, layer_norm_epsilon=1e-5,
+    )),
+    # Not in KINDS (only for quantized-kernel tests): rows of 256 values, so K-quant file types
+    # (Q4_K) apply to every matrix instead of falling back to F16; untied LM head
+    "llama256": ("LlamaConfig", dict(
+        _COMMON_LLAMA, hidden_size=256, intermediate_size=512, rope_theta=10000.0, tie_word_embeddings=False,
     )),
 }
 _PADDED_VOCAB_KINDS = {"qwen2": 64}  # kind -> round vocab_size up to a multiple of this
@@ -244,7 +251,51 @@ _FILE_TYPES = {
     "F32": (gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
     "F16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
     "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+    "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, gguf.GGMLQuantizationType.Q4_0),
+    "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, gguf.GGMLQuantizationType.Q4_1),
+    "Q5_0": (gguf.LlamaFileType.MOSTLY_Q5_0, gguf.GGMLQuantizationType.Q5_0),
+    "Q5_1": (gguf.LlamaFileType.MOSTLY_Q5_1, gguf.GGMLQuantizationType.Q5_1),
+    "Q4_K": (gguf.LlamaFileType.MOSTLY_Q4_K_S, gguf.GGMLQuantizationType.Q4_K),
 }
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """A plain Q4_K quantizer (the `gguf` package has none): llama.cpp's block layout, min/max
+    scales per 32-value sub-block instead of llama.cpp's search for the best ones.
+
+    Per super-block of 256 values: fp16 d and dmin, 12 bytes of 6-bit sub-block scales sc and mins
+    m, 128 bytes of nibbles; w = d * sc * q - dmin * m. Returns uint8 [rows, 144 * cols / 256].
+    """
+    rows, cols = data.shape
+    if cols % 256:
+        raise gguf.QuantError(f"Q4_K needs rows of a multiple of 256 values, got {cols}")
+    nb = cols // 256
+    x = data.reshape(rows, nb, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(x.min(-1), 0.0), x.max(-1)
+    d = (((hi - lo) / 15).max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+
+    def steps(value: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        unit = unit.astype(np.float32)[..., None]
+        return np.clip(np.round(value / np.where(unit > 0, unit, 1)), 0, 63).astype(np.uint8)
+
+    sc, m = steps((hi - lo) / 15, d), steps(-lo, dmin)
+    scale = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.round((x + offset[..., None]) / np.where(scale > 0, scale, 1)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], -1)
+    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(rows, nb, 128)  # chunk c: sub-blocks 2c, 2c + 1
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, nb, 2), dmin.view(np.uint8).reshape(rows, nb, 2),
+                             scales, qs], -1)
+    return blocks.reshape(rows, nb * 144)
+
+
+def _quantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(data)
+    return gguf.quants.quantize(data, qtype)
 
 
 def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -416,7 +467,7 @@ def hf_to_gguf(hf_dir: Path, out_path: Path, ftype: str = "F32") -> Path:
     for name, data in _gguf_tensors(arch, config, hf_dir):
         qtype = _tensor_qtype(name, data, file_qtype)
         try:
-            stored = gguf.quants.quantize(data, qtype)
+            stored = _quantize(data, qtype)
         except gguf.QuantError:  # row length not a multiple of the block size: llama.cpp uses F16
             qtype = gguf.GGMLQuantizationType.F16
             stored = gguf.quants.quantize(data, qtype)

@@ -40,6 +40,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
                    help="auto: the C decode-attention kernel on CPU where it builds; torch: the plain PyTorch "
                    "reference")
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                   help="default: GGUF quantized weights run quantized (CPU); none: dequantize everything; "
+                   "int8 | int4: also quantize dense (float) weights at load")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -65,7 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-                show_progress=True)
+                quantization=args.quantization, show_progress=True)
 
 
 def _sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:
@@ -141,6 +144,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.command import serve
+
+    return serve(args, _engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
     parser.add_argument("--log-level", default="INFO", help="tokenmill's log level: DEBUG | INFO | WARNING | ERROR")
@@ -157,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+
+    from tokenmill.server.command import add_serve_args
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file or an HF folder (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    _add_model_args(p)
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)
@@ -196,6 +213,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     roofline.add_roofline_args(b)
     b.set_defaults(func=roofline.cmd_roofline)
+
+    from tokenmill.bench import quality
+    b = bench.add_parser("quality", help="perplexity and logit error of each quantization mode against the "
+                         "dequantized reference, on a fixed text")
+    quality.add_quality_args(b)
+    b.set_defaults(func=quality.cmd_quality)
+
+    from tokenmill.bench import serve as bench_serve
+    b = bench.add_parser("serve", help="streaming load on OpenAI-compatible servers (tokenmill, llama-server, "
+                         "any --base-url): throughput and TTFT / ITL / end-to-end latency percentiles")
+    _add_model_args(b)
+    bench_serve.add_bench_serve_args(b)
+    b.set_defaults(func=bench_serve.cmd_bench_serve)
+
+    from tokenmill.bench import compare
+    b = bench.add_parser("compare", help="tokenmill vs llama.cpp (llama_cpp, llama-server) and transformers on the "
+                         "same GGUF, 2 threads each: prefill, decode, concurrent throughput, memory, one table")
+    _add_model_args(b)
+    compare.add_compare_args(b)
+    b.set_defaults(func=compare.cmd_compare)
     return parser
 
 

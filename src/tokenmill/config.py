@@ -158,6 +158,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 ATTENTION_BACKENDS = ("auto", "torch")
 
 
+QUANTIZATION_MODES = (None, "none", "int8", "int4")
+
+
 @dataclass
 class EngineConfig:
     """How to run a model: every engine knob, validated in one place (names follow vLLM's)."""
@@ -175,10 +178,15 @@ class EngineConfig:
     enable_chunked_prefill: bool = True    # split prompts longer than the step's token budget
     attention_backend: str = "auto"        # auto (C decode kernel on CPU where it builds) | torch (reference)
     show_progress: bool = False            # progress bars while loading
+    quantization: str | None = None        # None: GGUF quantized weights run quantized (CPU) | "none": all
+    #                                        dequantized | "int8" | "int4": dense weights quantized too
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
+        if self.quantization not in QUANTIZATION_MODES:
+            raise TokenmillError(f"quantization: {self.quantization!r} is not supported "
+                                 f"(None, {', '.join(repr(m) for m in QUANTIZATION_MODES if m)})")
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -33,6 +33,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0    # prompt tokens served by the prefix cache (sample 0's, at admission)
 
     @property
     def finished(self) -> bool:

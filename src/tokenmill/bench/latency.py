@@ -50,7 +50,7 @@ def _run_tokenmill(cfg: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(cfg["model"], dtype=cfg["dtype"], device=cfg["device"])
+    llm = LLM(cfg["model"], dtype=cfg["dtype"], device=cfg["device"], quantization=cfg.get("quantization"))
     load_s = time.perf_counter() - t0
     result: dict[str, Any] = {"engine": "tokenmill", "load_s": load_s, "dtype": str(llm.engine.dtype)}
 
@@ -116,6 +116,7 @@ def run_latency_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.llm import default_model_path
 
     cfg = {"model": args.model or default_model_path(), "dtype": args.dtype, "device": args.device,
+           "quantization": getattr(args, "quantization", None),
            "prompt_lens": args.prompt_lens, "decode_tokens": args.decode_tokens, "repeats": args.repeats}
     rows = [_in_subprocess(_run_tokenmill, cfg)]
     cfg["resolved_dtype"] = rows[0]["dtype"].removeprefix("torch.")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenmill.checkpoint.gguf import GGUFCheckpoint
+from tokenmill.checkpoint.gguf import GGUFBlocks, GGUFCheckpoint
 from tokenmill.checkpoint.hf import HFCheckpoint
 from tokenmill.errors import CheckpointError
 
-__all__ = ["GGUFCheckpoint", "HFCheckpoint", "open_checkpoint"]
+__all__ = ["GGUFBlocks", "GGUFCheckpoint", "HFCheckpoint", "open_checkpoint"]
 
 
 def open_checkpoint(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:

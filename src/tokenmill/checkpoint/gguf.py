@@ -1,13 +1,15 @@
 """GGUF files: metadata, tensors of every GGML type, converted to torch tensors one at a time.
 
 The `gguf` package memory-maps the file; `load_tensor` dequantizes a single tensor, so loading a
-model never holds two full copies of the weights. Shapes are returned in torch order (GGUF stores
-dimensions innermost-first, i.e. reversed).
+model never holds two full copies of the weights. `load_raw` returns a quantized tensor's blocks
+as they are stored (`GGUFBlocks`), for layers that run them without dequantizing. Shapes are
+returned in torch order (GGUF stores dimensions innermost-first, i.e. reversed).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,29 @@ SUPPORTED_QUANT_TYPES = frozenset(
     ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
      "IQ4_NL", "IQ4_XS"]
 )
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A quantized 2-D GGUF tensor as stored: `data[n]` holds row n's blocks (uint8, row-major).
+
+    Every row is a whole number of blocks, so row operations (stacking fused projections, llama.cpp's
+    Q/K row permutation) work on `data` directly, without dequantizing.
+    """
+
+    qtype: str                     # GGML type name, e.g. "Q4_1"
+    shape: tuple[int, int]         # (rows, columns) of the dequantized tensor, torch order
+    data: torch.Tensor             # uint8 [rows, bytes per row]
+
+    def take_rows(self, index: torch.Tensor) -> GGUFBlocks:
+        return GGUFBlocks(self.qtype, (len(index), self.shape[1]), self.data[index])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference dequantization (the `gguf` package's), as a [rows, columns] tensor."""
+        import gguf
+
+        values = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(values).reshape(self.shape).to(dtype)
 
 
 def _why_unreadable(path: Path) -> str:
@@ -101,8 +126,12 @@ class GGUFCheckpoint:
 
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Read (and dequantize) one tensor into a new torch tensor of `dtype`."""
-        import gguf
+        tensor = self.load_raw(name, dtype)
+        return tensor.dequantize(dtype) if isinstance(tensor, GGUFBlocks) else tensor
 
+    def load_raw(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | GGUFBlocks:
+        """One tensor: a float type as a torch tensor of `dtype`; a quantized 2-D one as its blocks
+        (copied out of the memory map), other quantized ones dequantized."""
         if name not in self._tensors:
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
         t = self._tensors[name]
@@ -120,5 +149,8 @@ class GGUFCheckpoint:
                 f"{self.path}: tensor {name!r} has GGML type {qtype}, which tokenmill does not support "
                 f"(supported: {', '.join(sorted([*_FLOAT_TYPES, *SUPPORTED_QUANT_TYPES]))})"
             )
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(values).reshape(shape).to(dtype)
+        rows = int(np.prod(shape[:-1]))
+        blocks = GGUFBlocks(qtype, (rows, shape[-1]), torch.from_numpy(np.array(t.data).reshape(rows, -1)))
+        if len(shape) == 2:
+            return blocks
+        return blocks.dequantize(dtype).reshape(shape)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -48,12 +49,25 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return min(int(available_memory(device) * DEFAULT_KV_FRACTION), DEFAULT_KV_CAP)
 
 
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int            # sequences in the running batch
+    num_waiting: int            # sequences waiting (new or preempted)
+    num_kv_blocks: int          # blocks in the pool
+    num_free_kv_blocks: int     # not held by any request (they may still hold cached prefixes)
+    prefix_cache_queries: int   # prompt tokens admitted
+    prefix_cache_hits: int      # of which served by the prefix cache
+    num_preemptions: int
+
+
 class LLMEngine:
     def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int]):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress)
+        self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
+                                                   config.quantization)
         self.eos_token_ids = eos_token_ids
         mc: ModelConfig = self.model_config
         per_token = kv_bytes_per_token(mc, self.dtype)
@@ -158,4 +172,11 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def stats(self) -> EngineStats:
+        """The engine's state now, for monitoring (the server's /metrics). Only lengths and
+        counters are read, so another thread may call it while a step runs."""
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_blocks,
+                           self.pool.num_free, self.kv.prefix_queries, self.kv.prefix_hits,
+                           self.scheduler.num_preemptions)
 

@@ -104,7 +104,10 @@ class OutputProcessor:
                     self.engine.add_request(parent.prompt_token_ids, child_params, request_id=child_id,
                                             priority=parent.priority, arrival_time=request.arrival_time)
                 parent.pending = []
-            self._update_sample(request, parent.samples[request.request_id])
+            sample = parent.samples[request.request_id]
+            if sample.output.index == 0:
+                parent.output.num_cached_tokens = request.num_cached_tokens
+            self._update_sample(request, sample)
             changed[parent_id] = parent.output
         for parent_id, output in changed.items():
             if output.finished:

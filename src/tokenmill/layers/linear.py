@@ -1,10 +1,17 @@
-"""Parameters created empty (no random init): every value is filled from the checkpoint."""
+"""Linear and Embedding layers whose weight is dense or quantized (`layers/quant.py`).
+
+Parameters are created empty (no random init): every value is filled from the checkpoint. The
+loader may then replace the dense weight by a quantized one (`set_quantized`), which the layer
+runs with the quantized kernels; an Embedding's quantized weight also serves as a tied LM head.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers.quant import QuantizedWeight, quantized_logits
 
 
 class Linear(nn.Module):
@@ -15,17 +22,45 @@ class Linear(nn.Module):
         super().__init__()
         sizes = out_features if isinstance(out_features, list) else [out_features]
         self.shard_sizes = sizes
-        self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
+        self.in_features = in_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
+        self.qweight: QuantizedWeight | None = None
+
+    def set_quantized(self, qweight: QuantizedWeight) -> None:
+        """Run with `qweight` instead of the dense weight (which is dropped)."""
+        self.weight = None
+        self.qweight = qweight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 hidden @ W^T for an LM head (no bias; see `quantized_logits`)."""
+        if self.qweight is not None:
+            return quantized_logits(self.qweight, hidden)
+        return F.linear(hidden, self.weight).float()
 
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        self.qweight: QuantizedWeight | None = None
+
+    def set_quantized(self, qweight: QuantizedWeight) -> None:
+        self.weight = None
+        self.qweight = qweight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(ids)
         return F.embedding(ids, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 hidden @ W^T: the logits of a model whose LM head is tied to these embeddings."""
+        if self.qweight is not None:
+            return quantized_logits(self.qweight, hidden)
+        return F.linear(hidden, self.weight).float()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
+from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig
 from tokenmill.errors import CheckpointError, UnsupportedModelError
 from tokenmill.layers.attention import Attention, AttentionMetadata
@@ -114,8 +114,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        return (self.transformer.wte if self.lm_head is None else self.lm_head).logits(hidden)
 
     @staticmethod
     def config_from_hf(cfg: ConfigFields) -> ModelConfig:
@@ -145,12 +144,14 @@ class GPT2LMHeadModel(nn.Module):
             tie_word_embeddings="output.weight" not in names,
         )
 
-    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint
+                           ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+        """(HF name, tensor) pairs; GGUF quantized matrices come as their blocks."""
         for name in ckpt.tensor_names():
-            tensor = ckpt.load_tensor(name, torch.float32)
             if isinstance(ckpt, GGUFCheckpoint):
-                yield map_gguf_name(name, _GGUF_PATTERNS) or name, tensor
+                yield map_gguf_name(name, _GGUF_PATTERNS) or name, ckpt.load_raw(name, torch.float32)
                 continue
+            tensor = ckpt.load_tensor(name, torch.float32)
             if not name.startswith(("transformer.", "lm_head.")):
                 name = "transformer." + name  # the original checkpoints omit the prefix
             yield name, tensor.t() if _CONV1D.fullmatch(name) else tensor

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
+from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig, rope_scaling_from_hf
 from tokenmill.errors import CheckpointError, UnsupportedModelError
 from tokenmill.layers.activation import silu_and_mul
@@ -47,11 +47,13 @@ _GGUF_NAMES = {
 _GGUF_PATTERNS = gguf_name_table(_GGUF_NAMES)
 
 
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(w: torch.Tensor | GGUFBlocks, n_heads: int) -> torch.Tensor | GGUFBlocks:
     """Undo llama.cpp's converter, which reorders each head's Q/K rows from HF's rotate-half layout
-    (first half / second half) to GGML's interleaved pairs: row (h, j, p) <- HF row (h, p, j)."""
+    (first half / second half) to GGML's interleaved pairs: row (h, j, p) <- HF row (h, p, j).
+    Quantized blocks are whole rows, so they are reordered without dequantizing."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    order = torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
+    return w.take_rows(order) if isinstance(w, GGUFBlocks) else w[order]
 
 
 class LlamaAttention(nn.Module):
@@ -134,8 +136,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -196,14 +197,17 @@ class LlamaForCausalLM(nn.Module):
             qk_norm="blk.0.attn_q_norm.weight" in names,
         )
 
-    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint
+                           ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+        """(HF name, tensor) pairs; GGUF quantized matrices come as their blocks (the loader decides
+        whether to dequantize them)."""
         cfg = self.config
         if isinstance(ckpt, HFCheckpoint):
             for name in ckpt.tensor_names():
                 yield name, ckpt.load_tensor(name, torch.float32)
             return
         for name in ckpt.tensor_names():
-            tensor = ckpt.load_tensor(name, torch.float32)
+            tensor = ckpt.load_raw(name, torch.float32)
             if name == "rope_freqs.weight":  # llama3 rope scaling as per-frequency divisors
                 self.model.rotary.set_frequency_factors(tensor)
                 continue

@@ -11,10 +11,24 @@ Every model class provides:
   - `ignored_tensors`: names in checkpoints that carry nothing we need (e.g. cached rotary buffers)
 
 The loader checks that every checkpoint tensor was used and every parameter (every shard) filled.
+
+Quantization (`EngineConfig.quantization`, CPU only). The weights of Linear and Embedding layers are
+collected shard by shard (GGUF quantized tensors as their blocks, `GGUFBlocks`) and, once a layer
+has all its shards, turned into one weight by `build_weight`:
+
+  None (default)  GGUF Q4_0/Q4_1/Q4_K -> int4 (one plane); Q5_0/Q5_1/Q5_K/Q8_0 -> int4 (two planes),
+                  both exact; other quantized types -> requantized to 8 bits per group of 32
+                  (two planes); float tensors stay dense
+  "none"          everything dequantized to the compute dtype (the reference)
+  "int8" | "int4" as None, and float tensors are quantized too: int8 with one scale per row, or
+                  4 bits per group of 32
+A fused layer takes the widest form among its shards (one plane < two planes); a layer mixing a
+dense shard with quantized ones stays dense.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 
@@ -22,15 +36,30 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
+from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig
-from tokenmill.errors import CheckpointError
-from tokenmill.layers.linear import Linear
+from tokenmill.errors import CheckpointError, TokenmillError
+from tokenmill.layers.gguf_quant import ONE_PLANE_TYPES, gguf_to_planes
+from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.layers.quant import (
+    GROUP_SIZE,
+    Int4Planes,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    int4_layout,
+    quantize_planes,
+)
 from tokenmill.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+Shard = torch.Tensor | GGUFBlocks
 
 
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
-               show_progress: bool = False) -> tuple[nn.Module, ModelConfig]:
+               show_progress: bool = False, quantization: str | None = None) -> tuple[nn.Module, ModelConfig]:
+    quantization = _check_quantization(quantization, device)
     cls = get_model_class(ckpt.architecture)
     if isinstance(ckpt, GGUFCheckpoint):
         config = cls.config_from_gguf(ckpt, ConfigFields(ckpt.metadata, str(ckpt.path), f"{ckpt.architecture}."))
@@ -44,17 +73,45 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
     finally:
         torch.set_default_dtype(previous)
     fill_parameters(model, model.checkpoint_tensors(ckpt), len(ckpt.tensor_names()),
-                    str(ckpt.path), show_progress)
+                    str(ckpt.path), show_progress, quantization, dtype)
     model.eval()
+    logger.info("weights (quantization %s): %s", quantization,
+                ", ".join(f"{form} x{count}" for form, count in weight_forms(model).items()))
     return model, config
 
 
-def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], total: int,
-                    source: str, show_progress: bool) -> None:
+def weight_forms(model: nn.Module) -> dict[str, int]:
+    """How many Linear/Embedding layers hold each weight form: dense, int8, int4x1, int4x2 (planes)."""
+    forms: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (Linear, Embedding)):
+            q = module.qweight
+            form = "dense" if q is None else "int8" if isinstance(q, Int8Weight) else f"int4x{q.num_planes}"
+            forms[form] = forms.get(form, 0) + 1
+    return dict(sorted(forms.items()))
+
+
+def _check_quantization(quantization: str | None, device: torch.device) -> str:
+    """The effective mode: quantized kernels run on CPU only; elsewhere None means "none"."""
+    if device.type != "cpu" or int4_layout() is None:
+        if quantization in ("int8", "int4"):
+            where = "on CPU only" if device.type != "cpu" else "with this PyTorch build's int4 CPU kernels only"
+            raise TokenmillError(f"quantization: {quantization!r} runs {where}")
+        return "none"
+    return "auto" if quantization is None else quantization
+
+
+def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, Shard]], total: int,
+                    source: str, show_progress: bool, quantization: str = "none",
+                    dtype: torch.dtype = torch.float32) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_counts = {f"{name}.{leaf}": len(mod.shard_sizes)
                     for name, mod in model.named_modules() if isinstance(mod, Linear)
                     for leaf in ("weight", "bias") if getattr(mod, leaf) is not None}
+    # weights that may be quantized: collected until every shard is there, then built at once
+    quantizable = {} if quantization == "none" else {
+        f"{name}.weight": mod for name, mod in model.named_modules() if isinstance(mod, (Linear, Embedding))}
+    staged: dict[str, dict[int, Shard]] = {}
     filled: dict[str, set[int]] = {}
     ignored = [re.compile(p) for p in model.ignored_tensors]
     stacked: dict[str, tuple[str, int]] = model.stacked_params
@@ -83,8 +140,15 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
         filled.setdefault(target, set()).add(shard)
+        if target in quantizable:
+            staged.setdefault(target, {})[shard] = tensor
+            if len(staged[target]) == shard_counts.get(target, 1):
+                shards = staged.pop(target)
+                _set_weight(quantizable[target], param, [shards[i] for i in range(len(shards))],
+                            quantization, dtype)
+            continue
+        dest.copy_(tensor.dequantize() if isinstance(tensor, GGUFBlocks) else tensor)
     missing = [n for n in params if len(filled.get(n, ())) < shard_counts.get(n, 1)]
     if missing:
         raise CheckpointError(f"{source}: checkpoint has no values for {', '.join(sorted(missing)[:8])}"
@@ -93,3 +157,45 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]
 
 def _module_of(model: nn.Module, param_name: str) -> Linear:
     return model.get_submodule(param_name.rpartition(".")[0])
+
+
+def _set_weight(module: Linear | Embedding, param: nn.Parameter, shards: list[Shard], quantization: str,
+                dtype: torch.dtype) -> None:
+    weight = build_weight(shards, quantization, dtype)
+    if weight is None:
+        param.data.copy_(torch.cat([s.dequantize() if isinstance(s, GGUFBlocks) else s for s in shards]))
+    else:
+        module.set_quantized(weight)
+
+
+def _shard_form(shard: Shard, quantization: str) -> str:
+    """How one shard would be held: "dense", "int8" (one scale per row), "int4" (one plane) or
+    "int4x2" (two planes)."""
+    if isinstance(shard, GGUFBlocks):
+        return "int4" if shard.qtype in ONE_PLANE_TYPES else "int4x2"
+    if quantization == "int8":
+        return "int8"
+    if quantization == "int4" and shard.shape[-1] % GROUP_SIZE == 0:
+        return "int4"
+    return "dense"
+
+
+def _shard_planes(shard: Shard, num_planes: int) -> Int4Planes:
+    if isinstance(shard, GGUFBlocks):
+        planes = gguf_to_planes(shard)
+        if planes is None:  # no exact int4 form (Q6_K, ...): 8 bits per group of 32
+            planes = quantize_planes(shard.dequantize(), 8)
+    else:
+        planes = quantize_planes(shard, 4 if num_planes == 1 else 8)
+    return planes.with_planes(num_planes)
+
+
+def build_weight(shards: list[Shard], quantization: str, dtype: torch.dtype) -> QuantizedWeight | None:
+    """One quantized weight for a layer's shards (stacked along rows), or None: keep it dense."""
+    forms = {_shard_form(s, quantization) for s in shards}
+    if "dense" in forms:
+        return None
+    if forms == {"int8"}:
+        return Int8Weight(torch.cat(shards), dtype)
+    num_planes = 1 if forms == {"int4"} else 2
+    return Int4Weight(Int4Planes.cat([_shard_planes(s, num_planes) for s in shards]), dtype)

@@ -1,0 +1,225 @@
+"""The llama.cpp benchmark peers: where they are, whether they are installed, how to build them.
+
+Both peers come from ONE source: the llama-cpp-python source distribution on PyPI, which vendors
+llama.cpp's source. Its version is pinned here, in `LLAMA_CPP_PYTHON_VERSION` (pyproject.toml's
+`peers` extra repeats it; a test checks that the two agree).
+
+- `llama_cpp` (llama-cpp-python, llama.cpp's Python API): `pip install -e .[peers]`, which
+  compiles llama.cpp from the sdist (about 9 minutes on 2 cores). Used for batch-1 runs.
+- `llama-server` (llama.cpp's C++ OpenAI-compatible server, with parallel slots and continuous
+  batching): built here from the same sdist's `vendor/llama.cpp` with cmake into
+  `~/.cache/tokenmill/peers/llama.cpp-<version>/bin/llama-server` (about 6 minutes on 2 cores).
+  Used for concurrent load. (llama-cpp-python's own Python server serves one request at a time,
+  so it is not a fair peer under load.)
+
+Both are compiled with native CPU flags (`-DGGML_NATIVE=ON`, i.e. `-march=native`).
+`scripts/install-peers.sh` installs both; `python -m tokenmill.bench.peers status|build-llama-server`
+reports on them or builds the server. Nothing here runs at import time or downloads anything
+unless asked to build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tokenmill.errors import TokenmillError
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # the one pin of both peers (pyproject's `peers` extra must match)
+# llama.cpp options for the server build: native CPU code, a static binary (relocatable into the
+# cache), no HTTPS, no web UI (its prebuilt assets would be downloaded), nothing but llama-server.
+LLAMA_SERVER_CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+]
+# The flags for pip's build of llama-cpp-python (CMAKE_ARGS): native code, no multimodal library.
+LLAMA_CPP_PYTHON_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
+LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"    # an explicit llama-server binary (wins over the cache)
+CACHE_ENV = "TOKENMILL_CACHE"                  # default: ~/.cache/tokenmill
+
+INSTALL_HINT = "scripts/install-peers.sh (both peers), or: pip install -e .[peers] (llama_cpp only)"
+SERVER_HINT = ("scripts/install-peers.sh, or: python -m tokenmill.bench.peers build-llama-server "
+               "(or `tokenmill bench compare --build-peers`; about 6 minutes on 2 cores)")
+
+
+@dataclass
+class PeerStatus:
+    name: str
+    available: bool
+    version: str | None
+    where: str | None      # the binary or the package folder
+    detail: str            # what was found, or why it is missing and how to install it
+
+
+def peers_dir() -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tokenmill")
+    return root / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def cached_llama_server() -> Path:
+    """Where `build_llama_server` puts the binary (it may not be there)."""
+    return peers_dir() / "bin" / "llama-server"
+
+
+def llama_cpp_python_status() -> PeerStatus:
+    """Is llama-cpp-python importable (found without importing it: loading its library is slow)?"""
+    name = "llama.cpp (llama_cpp)"
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None:
+        return PeerStatus(name, False, None, None, f"not installed: install it with {INSTALL_HINT}")
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    where = str(Path(spec.origin).parent) if spec.origin else None
+    detail = f"llama-cpp-python {version}"
+    if version != LLAMA_CPP_PYTHON_VERSION:
+        detail += f" (tokenmill pins {LLAMA_CPP_PYTHON_VERSION}; the llama-server build uses that version)"
+    return PeerStatus(name, True, version, where, detail)
+
+
+def llama_server_status(explicit: str | None = None) -> PeerStatus:
+    """Is there a llama-server binary: `explicit` (a path given by the user), else
+    $TOKENMILL_LLAMA_SERVER, else the one built into the cache?"""
+    name = "llama.cpp (llama-server)"
+    given_by = "--llama-server" if explicit else f"${LLAMA_SERVER_ENV}"
+    explicit = explicit or os.environ.get(LLAMA_SERVER_ENV)
+    path = Path(explicit) if explicit else cached_llama_server()
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        why = f"{given_by} {explicit} is not an executable file" if explicit else f"not built ({path})"
+        return PeerStatus(name, False, None, None, f"{why}: build it with {SERVER_HINT}")
+    info = _read_build_info(path.parent.parent)
+    version = info.get("llama_cpp_python_version") if not explicit else None
+    if explicit:
+        detail = f"{path} (given by {given_by})"
+    else:
+        detail = f"{path} (built from the llama-cpp-python {version} sdist)"
+    return PeerStatus(name, True, version, str(path), detail)
+
+
+def _read_build_info(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "build-info.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- building llama-server -----------------------------------------------------------------------
+
+def find_cmake() -> str:
+    """cmake on PATH, else the one the PyPI `cmake` package installs next to this Python."""
+    found = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    raise TokenmillError("cmake is not installed: `apt-get install cmake` (as root) or `pip install cmake`")
+
+
+def _run(command: list[str], log, cwd: Path | None = None) -> None:
+    log.write(f"\n$ {' '.join(command)}\n".encode())
+    log.flush()
+    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd).returncode
+    if code != 0:
+        raise TokenmillError(f"`{' '.join(command[:4])} ...` failed with status {code}; see {log.name}")
+
+
+def build_llama_server(jobs: int | None = None, force: bool = False, keep_source: bool = False) -> Path:
+    """Download the pinned llama-cpp-python sdist (pip, from the package index), build llama.cpp's
+    `llama-server` from its vendored source with native CPU flags, and install the binary into the
+    cache. Returns the binary's path; does nothing when it is already there (unless `force`)."""
+    dest = peers_dir()
+    binary = dest / "bin" / "llama-server"
+    if binary.is_file() and not force:
+        return binary
+    cmake = find_cmake()
+    jobs = jobs or os.cpu_count() or 1
+    dest.mkdir(parents=True, exist_ok=True)
+    log_path = dest / "build-llama-server.log"
+    start = time.time()
+    print(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (log: {log_path}) ...",
+          flush=True)
+    with open(log_path, "wb") as log, tempfile.TemporaryDirectory(prefix="llama-server-", dir=dest) as tmp:
+        work = Path(tmp)
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-cache-dir",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(work)], log)
+        sdists = list(work.glob("llama_cpp_python-*.tar.gz"))
+        if len(sdists) != 1:
+            raise TokenmillError(f"pip download gave {[p.name for p in work.iterdir()]}, not one sdist")
+        with tarfile.open(sdists[0]) as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(work, filter="data")
+            else:   # Python < 3.10.12: no extraction filters
+                tar.extractall(work)  # noqa: S202 - a package-index sdist, extracted in a fresh temp dir
+        source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = work / "build"
+        _run([cmake, "-S", str(source), "-B", str(build), *LLAMA_SERVER_CMAKE_FLAGS], log)
+        _run([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)], log)
+        built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
+        if built is None:
+            raise TokenmillError(f"the build finished but produced no llama-server binary; see {log_path}")
+        (dest / "bin").mkdir(exist_ok=True)
+        shutil.copy2(built, binary)
+        if keep_source:
+            shutil.copytree(source, dest / "src", dirs_exist_ok=True)
+    info = {"llama_cpp_python_version": LLAMA_CPP_PYTHON_VERSION, "cmake_flags": LLAMA_SERVER_CMAKE_FLAGS,
+            "build_seconds": round(time.time() - start), "jobs": jobs, "machine": platform.machine(),
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (dest / "build-info.json").write_text(json.dumps(info, indent=2))
+    print(f"built {binary} in {info['build_seconds']} s", flush=True)
+    return binary
+
+
+# ---- `python -m tokenmill.bench.peers` -----------------------------------------------------------
+
+def print_status() -> bool:
+    """Print one line per peer; True when every peer is there."""
+    statuses = [llama_cpp_python_status(), llama_server_status()]
+    for s in statuses:
+        print(f"{s.name:<26} {'ok' if s.available else 'MISSING':<8} {s.detail}")
+    return all(s.available for s in statuses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.peers", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="which peers are installed (exit status 1 when one is missing)")
+    sub.add_parser("version", help="print the pinned llama-cpp-python version")
+    sub.add_parser("cmake-args", help="print the CMAKE_ARGS for pip's build of llama-cpp-python")
+    b = sub.add_parser("build-llama-server", help="build llama-server from the pinned sdist into the cache")
+    b.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    b.add_argument("--force", action="store_true", help="rebuild even when the binary is there")
+    b.add_argument("--keep-source", action="store_true", help="also keep the llama.cpp source in the cache")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "version":
+            print(LLAMA_CPP_PYTHON_VERSION)
+        elif args.command == "cmake-args":
+            print(LLAMA_CPP_PYTHON_CMAKE_ARGS)
+        elif args.command == "status":
+            return 0 if print_status() else 1
+        else:
+            build_llama_server(args.jobs, args.force, args.keep_source)
+    except TokenmillError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def status_dict() -> list[dict]:
+    return [asdict(s) for s in (llama_cpp_python_status(), llama_server_status())]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

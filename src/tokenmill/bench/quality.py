@@ -1,0 +1,166 @@
+"""`tokenmill bench quality [MODEL]`: what quantized execution costs in quality.
+
+Every quantization mode loads the same model; all of them score the same fixed text
+(`quality_text.txt`: the Gettysburg Address and the opening of the Declaration of Independence,
+public domain, then prose written for tokenmill and dedicated to the public domain) in lockstep,
+window by window, `--chunk-size` rows per step (below `quant.DENSE_MIN_ROWS`, so the quantized
+kernels that decode uses are the ones measured). Reported per mode: perplexity of the text, and
+against the dequantized reference ("none"): max and mean |logit difference| over every position
+and vocabulary entry, mean KL(reference || mode), and how often the top-1 token agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.quant import DENSE_MIN_ROWS
+from tokenmill.models.loader import weight_forms
+
+MODES = ("none", "auto", "int8", "int4", "bf16")  # auto: quantization=None (GGUF types kept quantized);
+#                                                  bf16: dense bfloat16 (the error of plain bf16 inference)
+TEXT_PATH = Path(__file__).with_name("quality_text.txt")
+
+
+def _weight_mib(model: torch.nn.Module) -> float:
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values()) / 2**20
+
+
+class Scorer:
+    """One loaded model that returns float32 logits for consecutive chunks of one sequence.
+
+    The LLM needs `ceil(context / block_size)` KV blocks; the scorer uses blocks 0, 1, ... directly."""
+
+    def __init__(self, llm: Any, load_s: float = 0.0):
+        self.llm = llm
+        self.load_s = load_s
+        self.model = llm.engine.model
+        self.device = llm.engine.device
+        self.block_size = llm.engine.config.block_size
+        self.num_blocks = llm.engine.pool.num_blocks
+
+    @classmethod
+    def load(cls, model_path: str, mode: str, context: int, dtype: str = "auto", block_size: int = 16) -> Scorer:
+        from tokenmill import LLM
+
+        start = time.perf_counter()
+        if mode == "bf16":  # dense bf16, for scale: the error of plain bf16 inference
+            mode, dtype = "none", "bfloat16"
+        llm = LLM(model_path, dtype=dtype, quantization=None if mode == "auto" else mode,
+                  num_kv_blocks=-(-context // block_size), block_size=block_size, max_num_seqs=1)
+        return cls(llm, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], start: int) -> torch.Tensor:
+        """Logits of rows `start .. start + len(ids) - 1` of the sequence whose earlier rows were
+        fed by the previous calls (blocks 0, 1, ... of the pool, so slot == position)."""
+        if start + len(ids) > self.num_blocks * self.block_size:
+            raise ValueError(f"position {start + len(ids)} is past the scorer's {self.num_blocks} KV blocks")
+        n, end = len(ids), start + len(ids)
+        meta = AttentionMetadata(
+            query_start_loc=[0, n], seq_lens=[end],
+            block_tables=torch.arange(self.num_blocks, device=self.device)[None],
+            slot_mapping=torch.arange(start, end, device=self.device),
+            seq_lens_tensor=torch.tensor([end], device=self.device), block_size=self.block_size)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.arange(start, end, device=self.device), meta)
+        return self.model.compute_logits(hidden).float().cpu()
+
+
+def run_quality(model_path: str, modes: list[str], dtype: str = "auto", context: int = 1024,
+                chunk_size: int = 32, text: str | None = None) -> dict[str, Any]:
+    """Score `text` (default: the bundled text) under each mode; "none" is added as the reference."""
+    modes = ["none"] + [m for m in modes if m != "none"]
+    scorers = {m: Scorer.load(model_path, m, context, dtype) for m in modes}
+    return compare_scorers(scorers, text if text is not None else TEXT_PATH.read_text(encoding="utf-8"),
+                           context, chunk_size) | {"model": model_path}
+
+
+def compare_scorers(scorers: dict[str, Scorer], text: str, context: int, chunk_size: int) -> dict[str, Any]:
+    """The metrics of each scorer against `scorers["none"]` on `text`."""
+    ref = scorers["none"]
+    modes = list(scorers)
+    context = min(context, ref.llm.engine.max_model_len)
+    ids = ref.llm.tokenizer.encode(text, add_special_tokens=False)
+    stats = {m: {"nll": 0.0, "max_abs": 0.0, "sum_abs": 0.0, "kl": 0.0, "top1": 0} for m in modes}
+    predicted = 0
+    for w0 in range(0, len(ids) - 1, context):
+        # a window starts with an empty cache and predicts window[1:]: every token after the first once
+        window = ids[w0:w0 + context + 1]
+        for c0 in range(0, len(window) - 1, chunk_size):
+            chunk = window[c0:min(c0 + chunk_size, len(window) - 1)]
+            targets = torch.tensor(window[c0 + 1:c0 + 1 + len(chunk)])
+            ref_logits = ref.logits(chunk, c0)
+            ref_lp = torch.log_softmax(ref_logits, -1)
+            for m, scorer in scorers.items():
+                logits = ref_logits if m == "none" else scorer.logits(chunk, c0)
+                lp = torch.log_softmax(logits, -1)
+                s = stats[m]
+                s["nll"] -= lp.gather(1, targets[:, None]).sum().item()
+                diff = (logits - ref_logits).abs()
+                s["max_abs"] = max(s["max_abs"], diff.max().item())
+                s["sum_abs"] += diff.mean(-1).sum().item()
+                s["kl"] += (ref_lp.exp() * (ref_lp - lp)).sum().item()
+                s["top1"] += (logits.argmax(-1) == ref_logits.argmax(-1)).sum().item()
+            predicted += len(chunk)
+    rows = []
+    for m, scorer in scorers.items():
+        s = stats[m]
+        rows.append({
+            "mode": m, "weight_forms": weight_forms(scorer.model), "weights_mib": _weight_mib(scorer.model),
+            "load_s": scorer.load_s, "perplexity": math.exp(s["nll"] / predicted),
+            "max_abs_logit_err": s["max_abs"], "mean_abs_logit_err": s["sum_abs"] / predicted,
+            "mean_kl": s["kl"] / predicted, "top1_agreement": s["top1"] / predicted,
+        })
+    return {"dtype": str(ref.llm.engine.dtype), "tokens": len(ids), "predicted": predicted,
+            "context": context, "chunk_size": chunk_size, "results": rows}
+
+
+def print_quality(report: dict[str, Any]) -> None:
+    print(f"model: {report['model']}  dtype: {report['dtype'].removeprefix('torch.')}  text: {report['tokens']} "
+          f"tokens, windows of {report['context']}, {report['chunk_size']} rows per step")
+    print(f"{'mode':<6}{'weights MiB':>12}{'load s':>8}{'perplexity':>20}{'max|dlogit|':>13}{'mean|dlogit|':>14}"
+          f"{'mean KL':>10}{'top-1 agree':>13}  weight forms (layers)")
+    ref = report["results"][0]["perplexity"]
+    for r in report["results"]:
+        change = "" if r["mode"] == "none" else f" ({100 * (r['perplexity'] / ref - 1):+.2f}%)"
+        ppl = f"{r['perplexity']:.3f}{change}"
+        forms = ", ".join(f"{k} {v}" for k, v in r["weight_forms"].items())
+        print(f"{r['mode']:<6}{r['weights_mib']:>12.1f}{r['load_s']:>8.2f}{ppl:>20}{r['max_abs_logit_err']:>13.4f}"
+              f"{r['mean_abs_logit_err']:>14.5f}{r['mean_kl']:>10.2e}{100 * r['top1_agreement']:>12.2f}%  {forms}")
+    print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized; "
+          "bf16 is the dense model in bfloat16")
+
+
+def add_quality_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file or an HF folder (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    p.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"], choices=MODES,
+                   help="quantization modes to compare (auto = GGUF types kept quantized; bf16 = dense bfloat16, "
+                   "for scale); none (dense, --dtype) is the reference")
+    p.add_argument("--context", type=int, default=1024, help="tokens per window of the text")
+    p.add_argument("--chunk-size", type=int, default=32,
+                   help=f"rows per step (below {min(DENSE_MIN_ROWS.values())}: the quantized kernels run, as in "
+                   "decode)")
+    p.add_argument("--output", default="bench-results/quality.json")
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    from tokenmill.llm import default_model_path
+
+    report = run_quality(args.model_path or default_model_path(), args.modes, args.dtype, args.context,
+                         args.chunk_size)
+    print_quality(report)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,267 @@
+"""The asyncio front of the engine: one background task steps it; each request has its own stream.
+
+Who touches the engine: only the loop task below, one thing at a time. HTTP handlers never call
+the engine; they queue an add or an abort and wake the loop, which applies queued adds and aborts
+between steps and runs each step (schedule -> model -> outputs) in a worker thread, so the event
+loop keeps serving other connections while the model runs. An abort therefore takes effect
+(blocks freed) right after the step in flight, at most one step later.
+
+    handler --add/abort--> pending --(between steps)--> OutputProcessor / LLMEngine
+    loop: apply pending -> await step in thread -> hand each changed output to its stream
+
+A stream holds only the latest cumulative output (a snapshot: the processor keeps updating its
+own objects), so a slow reader costs no memory; the reader computes deltas itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tokenmill.engine.engine import EngineStats
+from tokenmill.engine.output import OutputProcessor
+from tokenmill.errors import TokenmillError
+from tokenmill.llm import LLM, _snapshot
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling import SamplingParams
+from tokenmill.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """Accepting the request would queue more sequences than `max_queued_requests` allows."""
+
+
+class EngineStoppedError(Exception):
+    """The engine is shutting down (or its step failed) and takes no more requests."""
+
+
+class RequestStream:
+    """One request's outputs: `async for out in stream` yields cumulative RequestOutputs (the
+    latest each time; intermediate ones may be skipped), the last with `finished` set."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, num_seqs: int):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_seqs = num_seqs
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.finished = False
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            if self._error is not None:
+                raise self._error
+            output = self._latest
+            yield output
+            if output.finished:
+                return
+
+
+@dataclass
+class _PendingAdd:
+    stream: RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class AsyncEngine:
+    """Runs `llm`'s engine in the background for concurrent async callers.
+
+    Backpressure: at most `max_num_seqs + max_queued_requests` sequences (a request with n samples
+    counts n) are in flight; `add_request` raises QueueFullError past that instead of queueing
+    without limit."""
+
+    def __init__(self, llm: LLM, max_queued_requests: int, metrics: ServerMetrics | None = None):
+        if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or \
+                max_queued_requests < 0:
+            raise TokenmillError(f"max_queued_requests must be an integer >= 0, got {max_queued_requests!r}")
+        self.llm = llm
+        self.engine = llm.engine
+        self.max_queued_requests = max_queued_requests
+        self.capacity = self.engine.config.max_num_seqs + max_queued_requests
+        self.metrics = metrics
+        self._processor = OutputProcessor(self.engine, llm.tokenizer)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: list[_PendingAdd] = []
+        self._pending_aborts: list[str] = []
+        self._num_seqs = 0            # sequences of accepted or pending requests not finished yet
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tokenmill-engine-loop")
+
+    async def stop(self) -> None:
+        """Abort whatever is still in flight, stop the loop and its thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        for add in self._pending_adds:
+            if not add.accepted.done():
+                add.accepted.set_exception(EngineStoppedError("the server is shutting down"))
+        self._pending_adds.clear()
+        for request_id in list(self._streams):
+            self._abort_now(request_id, EngineStoppedError("the server is shutting down"))
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                          params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises QueueFullError
+        when full, TokenmillError when the engine refuses it (e.g. the prompt is too long)."""
+        if not self.is_running:
+            raise EngineStoppedError("the server is shutting down")
+        if params.n > self.capacity:
+            raise TokenmillError(f"n: {params.n} samples exceed the server's capacity of {self.capacity} "
+                                 "sequences (--max-num-seqs + --max-queued-requests)")
+        if self._num_seqs + params.n > self.capacity:
+            raise QueueFullError(f"the server is at capacity ({self._num_seqs} sequences in flight, "
+                                 f"{self.capacity} allowed); retry later")
+        stream = RequestStream(request_id, len(prompt_token_ids), params.n)
+        add = _PendingAdd(stream, prompt, prompt_token_ids, params)
+        self._num_seqs += params.n
+        self._pending_adds.append(add)
+        self._wake.set()
+        try:
+            await add.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its client went away); a no-op for one that already finished."""
+        for add in self._pending_adds:
+            if add.stream.request_id == request_id:
+                self._pending_adds.remove(add)
+                self._num_seqs -= add.stream.num_seqs
+                return
+        if request_id in self._streams and request_id not in self._pending_aborts:
+            self._pending_aborts.append(request_id)
+            self._wake.set()
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                self._apply_pending()
+                if not self._processor.has_unfinished():
+                    await self._wake.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._executor, self._step)
+                self._dispatch(outputs, time.monotonic())
+            except Exception as e:   # a bug: fail what is in flight, keep serving
+                logger.exception("engine step failed; aborting %d requests", len(self._streams))
+                for request_id in list(self._streams):
+                    try:
+                        self._abort_now(request_id, RuntimeError(f"engine step failed: {type(e).__name__}: {e}"),
+                                        status="error")
+                    except Exception:
+                        logger.exception("aborting %s failed", request_id)
+
+    def _step(self) -> list[RequestOutput]:
+        """In the worker thread: one engine step, its outputs copied for the readers."""
+        return [_snapshot(out) for out in self._processor.process(self.engine.step())]
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for add in adds:
+            stream = add.stream
+            try:
+                self._processor.add_request(stream.request_id, add.prompt, add.prompt_token_ids, add.params)
+            except Exception as e:
+                self._num_seqs -= stream.num_seqs
+                add.accepted.set_exception(e)
+                continue
+            self._streams[stream.request_id] = stream
+            add.accepted.set_result(None)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for request_id in aborts:
+            self._abort_now(request_id, None)
+
+    def _abort_now(self, request_id: str, error: BaseException | None, status: str = "abort") -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        try:
+            self._processor.abort(request_id)
+        finally:
+            self._num_seqs -= stream.num_seqs
+            stream.finished = True
+            if error is not None:
+                stream._fail(error)
+            if self.metrics is not None:
+                self.metrics.count(status)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            self._observe(stream, output, now)
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+                self._num_seqs -= stream.num_seqs
+                stream.finished = True
+
+    def _observe(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(o.token_ids) for o in output.outputs)
+        new = num_tokens - stream.num_output_tokens
+        stream.num_output_tokens = num_tokens
+        m = self.metrics
+        if new > 0:
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                if m is not None:
+                    m.ttft.observe(now - stream.arrival_time)
+            elif m is not None:
+                m.itl.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+            if m is not None:
+                m.generation_tokens.inc(new)
+        if output.finished and m is not None:
+            m.e2e.observe(now - stream.arrival_time)
+            reasons = {o.finish_reason for o in output.outputs}
+            m.count("abort" if "abort" in reasons else "length" if "length" in reasons else "stop")

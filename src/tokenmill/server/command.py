@@ -1,0 +1,59 @@
+"""`tokenmill serve [MODEL]`: the server's own flags and the command (FastAPI is imported only here,
+when the command runs, so other subcommands start fast)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenmill.errors import TokenmillError
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the model file or folder name)")
+    g.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on /v1 routes (or set "
+                   f"{API_KEY_ENV}; the flag wins)")
+    g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="sequences allowed to wait beyond --max-num-seqs; past it, 429 with Retry-After")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are refused with 413")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from tokenmill.checkpoint import open_checkpoint
+    from tokenmill.config import EngineConfig
+    from tokenmill.llm import default_model_path
+    from tokenmill.server.app import ServerConfig, run_server
+
+    if args.model_path is not None and args.model is not None and args.model_path != args.model:
+        raise TokenmillError(f"MODEL: given twice ({args.model_path!r} and --model {args.model!r})")
+    model = args.model_path or args.model or default_model_path()
+    for name in ("port", "max_queued_requests", "max_body_bytes"):
+        value = getattr(args, name)
+        if value < (1 if name != "max_queued_requests" else 0):
+            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= {1 if name != 'max_queued_requests' else 0},"
+                                 f" got {value}")
+    if args.shutdown_timeout < 0:
+        raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
+    # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header.
+    EngineConfig(model=model, **{k: v for k, v in engine_args.items() if k != "tokenizer"})
+    open_checkpoint(model)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    config = ServerConfig(model=model, served_model_name=args.served_model_name or Path(model).name,
+                          engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
+                          max_body_bytes=args.max_body_bytes)
+    return run_server(config, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)

@@ -1,0 +1,362 @@
+"""/v1/completions and /v1/chat/completions: request -> prompts + SamplingParams -> OpenAI JSON.
+
+Shapes follow OpenAI's API exactly (ids `cmpl-...` / `chatcmpl-...`, `object`, `created`,
+`choices[i].index` and `finish_reason`, `usage` with `prompt_tokens_details.cached_tokens`).
+Streaming sends Server-Sent Events: one `data: {chunk}` per change, a last chunk with usage
+(`choices: []`) when `stream_options.include_usage`, then `data: [DONE]`.
+
+A completion request may hold several prompts: each is its own engine request; its choices are
+numbered `prompt_index * n + sample_index`, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.errors import TokenmillError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling import SamplingParams, SamplingParamsError
+from tokenmill.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
+
+# Sampling fields that keep the model's default (generation_config.json) when the request omits them.
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_RETRY_AFTER_S = 1
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    kind: str                                  # "completion" | "chat"
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: SamplingParams, max_tokens: int | None,
+                    logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+    values: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
+        logit_bias=req.logit_bias, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs)
+    values.update({name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None})
+    try:
+        return dataclasses.replace(defaults, **values)
+    except SamplingParamsError as e:
+        raise engine_error(e, renames) from None
+
+
+def engine_error(e: TokenmillError, renames: dict[str, str]) -> ErrorBody:
+    """A 400 naming the request field behind a SamplingParams or engine error ("prompt: ..." style
+    messages name their field before the colon)."""
+    message = str(e)
+    if isinstance(e, SamplingParamsError):
+        field = e.field
+    else:
+        head = message.split(":", 1)[0]
+        field = head if head.replace("_", "").isalnum() else None
+    if field is not None:
+        root = field.split("[", 1)[0]
+        if root in renames:
+            new_root = renames[root]
+            message = new_root + message[len(root):] if message.startswith(root) else message
+            field = new_root + field[len(root):]
+    code = "context_length_exceeded" if "max_model_len" in message else None
+    return ErrorBody(400, message, param=field, code=code)
+
+
+def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise ErrorBody(400, "stream_options: only allowed when stream is true", param="stream_options")
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def prepare_completion(req: CompletionRequest, llm: Any) -> Prepared:
+    if req.echo and req.logprobs is not None:
+        raise ErrorBody(400, "echo: prompt log-probabilities are not supported, so echo cannot be combined "
+                        "with logprobs", param="echo")
+    include_usage = _check_stream_options(req)
+    params = sampling_params(req, llm.get_default_sampling_params(), req.max_tokens, req.logprobs, {})
+    prompt = req.prompt
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        prompt = [prompt]
+    prompts = []
+    for i, p in enumerate(prompt):
+        try:
+            text, ids = llm._tokenize(p)
+        except TokenmillError as e:
+            raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
+        prompts.append((text if text is not None else llm.tokenizer.decode(ids), ids))
+    return Prepared("completion", prompts, params, req.stream, include_usage, echo=req.echo)
+
+
+def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
+    include_usage = _check_stream_options(req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise ErrorBody(400, "max_completion_tokens: give max_tokens or max_completion_tokens, not both",
+                        param="max_completion_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ErrorBody(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, llm.get_default_sampling_params(), max_tokens, logprobs, renames)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    try:
+        text, ids = llm._chat_prompt(messages, add_generation_prompt=True)
+    except TokenmillError as e:
+        raise ErrorBody(400, f"messages: {e}", param="messages") from None
+    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, renames=renames)
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+async def _submit(engine: AsyncEngine, request_id: str, prepared: Prepared) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, ids) in enumerate(prepared.prompts):
+            streams.append(await engine.add_request(f"{request_id}-{i}", text, ids, prepared.params))
+    except BaseException as e:
+        for s in streams:
+            engine.abort(s.request_id)
+        if isinstance(e, QueueFullError):
+            raise ErrorBody(429, str(e), type_="rate_limit_error", code="queue_full",
+                            headers={"Retry-After": str(_RETRY_AFTER_S)}) from None
+        if isinstance(e, EngineStoppedError):
+            raise ErrorBody(503, str(e), type_="server_error", code="unavailable") from None
+        if isinstance(e, TokenmillError):
+            raise engine_error(e, prepared.renames) from None
+        raise
+    return streams
+
+
+async def _merged(engine: AsyncEngine, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, latest output) as any of the streams changes, until all finished. Leaving
+    early (the client went away) aborts the requests still running."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            yield i, out
+            remaining -= out.finished
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            if not s.finished:
+                engine.abort(s.request_id)
+
+
+class _Formatter:
+    """Builds one request's JSON: chunks while streaming (tracking what each choice has been sent)
+    and the full response."""
+
+    def __init__(self, prepared: Prepared, request_id: str, model: str):
+        self.p = prepared
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.chat = prepared.kind == "chat"
+        self.object = "chat.completion" if self.chat else "text_completion"
+        n = prepared.params.n
+        self._sent_text = [0] * (len(prepared.prompts) * n)
+        self._sent_tokens = [0] * len(self._sent_text)
+        self._text_offset = [len(prepared.prompts[i // n][0]) if prepared.echo else 0
+                             for i in range(len(self._sent_text))]
+        self._finished = [False] * len(self._sent_text)
+
+    def index(self, prompt_index: int, output: CompletionOutput) -> int:
+        return prompt_index * self.p.params.n + output.index
+
+    # ---- logprobs ----
+
+    def _logprobs(self, output: CompletionOutput, start: int, end: int, choice: int) -> Any:
+        if output.logprobs is None:
+            return None
+        k = self.p.params.logprobs or 0
+        entries = []
+        for token_id, entry in zip(output.token_ids[start:end], output.logprobs[start:end], strict=True):
+            sampled = entry[token_id]
+            ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:k]
+            entries.append((sampled.decoded_token or "", _finite(sampled.logprob),
+                            [(lp.decoded_token or "", _finite(lp.logprob)) for lp in ranked]))
+        if self.chat:
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                  for t, v in top]}
+                                for tok, lp, top in entries]}
+        offsets = []
+        for tok, _, _ in entries:
+            offsets.append(self._text_offset[choice])
+            self._text_offset[choice] += len(tok)
+        return {"tokens": [tok for tok, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{**dict(top), tok: lp} for tok, lp, top in entries], "text_offset": offsets}
+
+    # ---- streaming ----
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
+                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
+        if self.p.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(len(self._sent_text))]
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for o in out.outputs:
+            i = self.index(prompt_index, o)
+            if self._finished[i]:
+                continue
+            text = o.text[self._sent_text[i]:]
+            if self.p.echo and self._sent_text[i] == 0 and self._sent_tokens[i] == 0:
+                text = self.p.prompts[prompt_index][0] + text
+            logprobs = self._logprobs(o, self._sent_tokens[i], len(o.token_ids), i)
+            self._sent_text[i] = len(o.text)
+            self._sent_tokens[i] = len(o.token_ids)
+            self._finished[i] = o.finished
+            if self.chat:
+                if text or logprobs is not None and logprobs["content"]:
+                    chunks.append(self._chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
+                                                "finish_reason": None}]))
+                if o.finished:
+                    chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
+                                                "finish_reason": o.finish_reason}]))
+            elif text or o.finished or logprobs is not None and logprobs["tokens"]:
+                chunks.append(self._chunk([{"index": i, "text": text, "logprobs": logprobs,
+                                            "finish_reason": o.finish_reason}]))
+        return chunks
+
+    def usage_chunk(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage(finals)
+        return chunk
+
+    # ---- whole response ----
+
+    def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        prompt = sum(len(ids) for _, ids in self.p.prompts)
+        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for prompt_index in sorted(finals):
+            for o in finals[prompt_index].outputs:
+                i = self.index(prompt_index, o)
+                logprobs = self._logprobs(o, 0, len(o.token_ids), i)
+                if self.chat:
+                    choices.append({"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
+                                    "logprobs": logprobs, "finish_reason": o.finish_reason})
+                else:
+                    text = (self.p.prompts[prompt_index][0] if self.p.echo else "") + o.text
+                    choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, "usage": self.usage(finals)}
+
+
+def _finite(x: float) -> float:
+    """JSON has no infinities: a -inf log-probability becomes -9999 (as OpenAI's API does)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Request) -> Response:
+    """Submit the prepared request and answer it, streaming or not. The client going away aborts it."""
+    request_id = f"{'chatcmpl' if prepared.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    fmt = _Formatter(prepared, request_id, model)
+    streams = await _submit(engine, request_id, prepared)
+
+    if prepared.stream:
+        async def events() -> AsyncIterator[str]:
+            finals: dict[int, RequestOutput] = {}
+            merged = _merged(engine, streams)
+            try:
+                for chunk in fmt.first_chunks():
+                    yield _sse(chunk)
+                async for i, out in merged:
+                    finals[i] = out
+                    for chunk in fmt.chunks(i, out):
+                        yield _sse(chunk)
+                if prepared.include_usage:
+                    yield _sse(fmt.usage_chunk(finals))
+            except (EngineStoppedError, RuntimeError) as e:
+                yield _sse(ErrorBody(500, str(e), type_="server_error").body())
+            finally:
+                await merged.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def collect() -> dict[int, RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        merged = _merged(engine, streams)
+        try:
+            async for i, out in merged:
+                finals[i] = out
+        finally:
+            await merged.aclose()
+        return finals
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():   # the client went away (or this handler was cancelled): abort
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return Response(status_code=499)
+    try:
+        finals = work.result()
+    except (EngineStoppedError, RuntimeError) as e:
+        raise ErrorBody(500, str(e), type_="server_error") from None
+    return JSONResponse(fmt.response(finals))

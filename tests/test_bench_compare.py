@@ -1,0 +1,163 @@
+"""`tokenmill bench compare` end to end on a tiny GGUF model, and the peers' bookkeeping.
+
+No timing assertions: every engine that runs must produce a positive rate for every row, the
+llama.cpp column must say "not installed" / "not built" when the peer is absent (and the command
+still succeed), and a present peer must produce numbers and ratios. The llama.cpp peers are an
+optional install (scripts/install-peers.sh), so the test with them present skips without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill.bench import peers
+from tokenmill.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small enough for the tiny model's 256-token context and a run of a few tens of seconds.
+# One thread: on a loaded 2-core machine, two threads per engine mostly wait for each other.
+SMALL = ["--threads", "1", "--dtype", "float32", "--device", "cpu", "--prefill-lens", "16", "64",
+         "--decode-tokens", "8", "--repeats", "1", "--num-requests", "4", "--input-len-range", "4", "16",
+         "--output-len-range", "2", "8"]
+
+
+def _missing(name: str, detail: str) -> peers.PeerStatus:
+    return peers.PeerStatus(name, False, None, None, detail)
+
+
+def _rows(report: dict) -> dict[str, dict]:
+    return {r["metric"]: r for r in report["table"]}
+
+
+def test_compare_without_llama_cpp_still_runs_the_others(tiny_gguf_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: _missing(
+        "llama.cpp (llama_cpp)", f"not installed: install it with {peers.INSTALL_HINT}"))
+    monkeypatch.setattr(peers, "llama_server_status", lambda explicit=None: _missing(
+        "llama.cpp (llama-server)", f"not built (/nowhere): build it with {peers.SERVER_HINT}"))
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *SMALL, "--concurrency", "2", "4",
+               "--output", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    assert list(rows) == ["prefill_16_tok_s", "prefill_64_tok_s", "decode_tok_s", "concurrent_2_out_tok_s",
+                          "concurrent_4_out_tok_s", "batch1_peak_rss_mib", "concurrent_peak_rss_mib"]
+    for key, row in rows.items():
+        for engine in ("tokenmill", "transformers"):
+            assert isinstance(row[engine], float) and row[engine] > 0, (key, engine, row[engine])
+        assert row["llama.cpp"] == ("not built" if key.startswith("concurrent") else "not installed"), key
+        assert row["ratio"] is None and row["met"] is None
+    assert rows["decode_tok_s"]["target"] == 1.0 and rows["prefill_16_tok_s"]["target"] is None
+    # the table, the missing peers and how to install them, the load average before each run
+    assert "tm/llama.cpp" in printed and "not installed" in printed and "scripts/install-peers.sh" in printed
+    assert ">= 1x (no llama.cpp number)" in printed
+    # before each of the 4 runs (tokenmill and transformers, batch 1 and concurrent) and each served level
+    assert printed.count("[load average") == 6
+    assert set(report["load_average_before"]) == {"tokenmill batch 1", "transformers batch 1 (float32)",
+                                                  "tokenmill serve", "transformers static batches of [2, 4]"}
+
+    # every request completed with exactly its output length, at each level, through the server
+    served = report["results"]["tokenmill"]["concurrent"]["levels"]
+    assert set(served) == {"2", "4"}
+    for level in served.values():
+        assert level["completed"] == 4 and level["failed"] == 0 and level["short_outputs"] == 0
+        assert level["output_tokens"] == sum(report["output_lens"])
+    hf = report["results"]["transformers"]["concurrent"]
+    assert sorted(r["batch_size"] for r in hf["per_batch_size"]) == [2, 4]
+    # same prompt ids, same fp32 weights: the same greedy tokens (the model parity tests' claim)
+    assert report["greedy_agreement"] == {"transformers": 8}
+    assert "transformers 8/8" in printed
+    b1 = report["results"]["tokenmill"]["batch1"]
+    assert b1["threads"] == 1 and b1["dtype"] == "float32"
+    assert report["results"]["transformers"]["batch1"]["threads"] == 1
+
+
+@pytest.mark.skipif(not (peers.llama_cpp_python_status().available and peers.llama_server_status().available),
+                    reason="the llama.cpp peers are not installed (scripts/install-peers.sh)")
+def test_compare_with_llama_cpp(tiny_gguf_model, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *SMALL, "--concurrency", "2",
+               "--peers", "llama.cpp", "--output", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    for key, row in _rows(report).items():
+        assert row["transformers"] is None   # not asked for
+        assert isinstance(row["llama.cpp"], float) and row["llama.cpp"] > 0, key
+        assert row["ratio"] == pytest.approx(row["tokenmill"] / row["llama.cpp"])
+        if row["target"] is not None:
+            assert row["met"] == (row["ratio"] >= row["target"])
+    assert "met" in printed and "llama-server -np 2" in printed
+    level = report["results"]["llama.cpp"]["concurrent"]["levels"]["2"]
+    assert level["completed"] == 4 and level["output_tokens"] == sum(report["output_lens"])
+    assert report["results"]["llama.cpp"]["batch1"]["version"] == peers.LLAMA_CPP_PYTHON_VERSION
+    assert 1 <= report["greedy_agreement"]["llama.cpp"] <= 8   # at least the first token: the same model
+
+
+def test_compare_needs_a_gguf_file(tiny_hf_model, tmp_path, capsys):
+    rc = main(["bench", "compare", "--model", str(tiny_hf_model("llama")), "--output", str(tmp_path / "c.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "needs a .gguf file" in err and "Traceback" not in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_the_peers_extra_pins_the_version_the_server_is_built_from():
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["peers"]
+    assert f"llama-cpp-python=={peers.LLAMA_CPP_PYTHON_VERSION}" in extra
+    script = (ROOT / "scripts" / "install-peers.sh").read_text()
+    assert "tokenmill.bench.peers version" in script and "build-llama-server" in script
+
+
+def test_llama_server_status_cache_and_override(tmp_path, monkeypatch):
+    monkeypatch.setenv(peers.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(peers.LLAMA_SERVER_ENV, raising=False)
+    status = peers.llama_server_status()
+    assert not status.available and "not built" in status.detail and "build-llama-server" in status.detail
+    assert str(tmp_path / "cache" / "peers" / f"llama.cpp-{peers.LLAMA_CPP_PYTHON_VERSION}") in status.detail
+
+    binary = peers.cached_llama_server()
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    assert not peers.llama_server_status().available   # not executable
+    binary.chmod(0o755)
+    (binary.parent.parent / "build-info.json").write_text(json.dumps({"llama_cpp_python_version": "9.9.9"}))
+    status = peers.llama_server_status()
+    assert status.available and status.where == str(binary) and status.version == "9.9.9"
+
+    monkeypatch.setenv(peers.LLAMA_SERVER_ENV, str(tmp_path / "nope"))
+    status = peers.llama_server_status()
+    assert not status.available and peers.LLAMA_SERVER_ENV in status.detail
+    status = peers.llama_server_status(str(binary))   # --llama-server wins over the environment
+    assert status.available and status.detail == f"{binary} (given by --llama-server)"
+
+
+def test_peers_command_status_exit_code(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(peers.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(peers.LLAMA_SERVER_ENV, raising=False)
+    assert peers.main(["status"]) == 1
+    assert "MISSING" in capsys.readouterr().out
+    assert peers.main(["version"]) == 0
+    assert capsys.readouterr().out.strip() == peers.LLAMA_CPP_PYTHON_VERSION
+
+
+def test_llama_cpp_worker_runs_without_importing_tokenmill(tmp_path):
+    """The llama.cpp batch-1 process must not load torch (its memory would count as llama.cpp's):
+    compare.py imports nothing but the standard library at module level."""
+    import subprocess
+
+    from tokenmill.bench import compare
+
+    code = (f"import runpy, sys; runpy.run_path({compare.__file__!r}); "
+            "print('torch' in sys.modules, 'tokenmill' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"]

@@ -1,0 +1,67 @@
+"""`tokenmill bench serve` end to end on a tiny model: it starts `tokenmill serve`, replays the
+workload at each concurrency level, and every request completes with exactly the asked tokens.
+No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tokenmill.bench.serve import engine_argv, percentile, start_tokenmill, stop_process, wait_ready
+from tokenmill.cli import build_parser, main
+
+
+def test_bench_serve_measures_tokenmill_and_a_base_url_at_each_level(tiny_gguf_model, tmp_path, capsys):
+    model = str(tiny_gguf_model("llama"))
+    flags = ["--dtype", "float32", "--device", "cpu", "--max-num-seqs", "4"]
+    # A server already running (here another tokenmill), measured through --base-url with an API key.
+    peer_args = build_parser().parse_args(["bench", "serve", "--model", model, *flags])
+    peer, peer_url = start_tokenmill(model, peer_args, tmp_path / "peer.log")
+    try:
+        wait_ready(peer_url, peer, 300)
+        out = tmp_path / "serve.json"
+        rc = main(["bench", "serve", "--model", model, *flags, "--num-requests", "6", "--input-len-range", "4", "16",
+                   "--output-len-range", "2", "8", "--concurrency", "1", "3", "--base-url", peer_url,
+                   "--output", str(out)])
+    finally:
+        assert stop_process(peer) == 0
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "TTFT p50/p90/p99 ms" in printed and "concurrency 3" in printed
+    assert f"vs {peer_url} at concurrency 3" in printed
+    report = json.loads(out.read_text())
+    assert report["config"]["tokenmill_flags"] == flags
+    rows = report["results"]
+    assert [(r["target"], r["concurrency"]) for r in rows] == [("tokenmill", 1), ("tokenmill", 3), (peer_url, 1),
+                                                               (peer_url, 3)]
+    for r in rows:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["short_outputs"] == 0, r
+        assert r["output_tokens"] == sum(report["output_lens"])
+        assert r["output_tok_s"] > 0 and r["requests_per_s"] > 0
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"]
+        assert r["e2e_p50_ms"] >= r["ttft_p50_ms"] > 0
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+
+
+def test_engine_flags_pass_through_to_serve():
+    args = build_parser().parse_args(["bench", "serve", "--no-enable-prefix-caching", "--block-size", "32",
+                                      "--model", "m.gguf"])
+    assert engine_argv(args) == ["--block-size", "32", "--no-enable-prefix-caching"]
+    assert engine_argv(argparse.Namespace()) == []
+
+
+def test_bench_serve_refuses_bad_options(tmp_path, capsys):
+    for argv, words in ((["--concurrency", "0"], ["--concurrency"]), (["--request-rate", "-1"], ["--request-rate"]),
+                        (["--no-tokenmill"], ["nothing to measure"]),
+                        (["--llama-server", str(tmp_path / "nope")], ["--llama-server", "not an executable"])):
+        rc = main(["bench", "serve", "--num-requests", "2", "--output", str(tmp_path / "x.json"), *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and all(w in err for w in words), err

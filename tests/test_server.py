@@ -1,0 +1,514 @@
+"""The OpenAI-compatible server, run for real: `tokenmill serve` as a subprocess on a free port,
+driven by the official `openai` client (and raw HTTP where the client hides what is tested).
+
+One server on the default model (SmolLM2-135M-Instruct GGUF, float32, API key from the
+environment variable) serves most tests; a tiny random model serves the tests that need odd
+settings (a queue of one, an --api-key flag) or kill the server (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tokenmill import load_tokenizer
+from tokenmill.bench.serve import free_port, stop_process
+from tokenmill.cli import main
+
+KEY = "test-key-from-env"
+TINY_KEY = "tiny-flag-key"
+PROMPT = "The capital of France is"
+MAX_MODEL_LEN = 512
+START_TIMEOUT_S = 300
+
+
+class Server:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.health_seen: list[tuple[int, str]] = []      # /health answers while starting
+        self.v1_while_loading: list[int] = []              # status of a /v1 request sent while loading
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", *args, "--port", str(self.port),
+                   "--uvicorn-log-level", "warning"]
+        env = {**{k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}, **(env or {})}
+        self.proc = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, key: str | None) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(self.base + "/health", timeout=5)
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            self.health_seen.append((r.status_code, r.json()["status"]))
+            if r.status_code == 200:
+                return
+            if not self.v1_while_loading:
+                self.v1_while_loading.append(httpx.post(self.base + "/v1/completions", json={"prompt": "x"},
+                                                        headers=auth(key), timeout=5).status_code)
+            time.sleep(0.2)
+        pytest.fail(f"server not ready after {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tokenmill_\S+) (\S+)$", text, re.M)}
+
+
+def auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@pytest.fixture(scope="module")
+def server(default_gguf_path, tmp_path_factory) -> Server:
+    log = tmp_path_factory.mktemp("server") / "default.log"
+    # The default path (GGUF weights kept quantized): each row's kernel is chosen from its own request,
+    # so the 32-request burst below must reproduce every solo greedy text exactly.
+    s = Server([str(default_gguf_path), "--dtype", "float32", "--device", "cpu",
+                "--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
+                "--max-queued-requests", "2"], log, {"TOKENMILL_API_KEY": KEY})
+    try:
+        s.wait_ready(KEY)
+        yield s
+    finally:
+        stop_process(s.proc)
+
+
+@pytest.fixture(scope="module")
+def model_name(default_gguf_path) -> str:
+    return default_gguf_path.name
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf_path):
+    return load_tokenizer(default_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def greedy(client, model_name):
+    """The reference: PROMPT's 12-token greedy completion, non-streaming."""
+    return client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    has_bos = tokenizer.bos_token_id is not None and text.startswith(tokenizer.id_to_token(tokenizer.bos_token_id))
+    return tokenizer.encode(text, add_special_tokens=not has_bos)
+
+
+# ---- start-up --------------------------------------------------------------------------------------
+
+def test_health_is_503_while_loading_then_ok_and_binds_localhost(server):
+    assert (503, "loading") in server.health_seen
+    assert server.health_seen[-1] == (200, "ok")
+    assert server.v1_while_loading == [503]
+    assert f"http://127.0.0.1:{server.port}" in server.log()   # the curl example names the bound address
+    assert "curl " in server.log()
+
+
+# ---- completions -----------------------------------------------------------------------------------
+
+def test_completion_usage_matches_tokenizer_and_stream_matches(client, model_name, tokenizer, greedy):
+    choice = greedy.choices[0]
+    assert greedy.object == "text_completion" and greedy.id.startswith("cmpl-") and greedy.model == model_name
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text.strip()
+    usage = greedy.usage
+    assert usage.prompt_tokens == len(tokenizer.encode(PROMPT)) == 5
+    assert usage.completion_tokens == 12 and usage.total_tokens == 17
+
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (5, 12)
+
+
+def test_token_id_prompts_prompt_lists_and_echo(client, model_name, tokenizer, greedy):
+    text = greedy.choices[0].text
+    ids = tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == text
+
+    echoed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == PROMPT + text
+
+    other = "Water boils at"
+    two = client.completions.create(model=model_name, prompt=[PROMPT, other], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1]
+    assert text.startswith(two.choices[0].text) and two.choices[1].text
+    assert two.usage.prompt_tokens == len(ids) + len(tokenizer.encode(other))
+    assert two.usage.completion_tokens == 6
+
+
+def test_stop_string_cuts_the_greedy_text(client, model_name, greedy):
+    text = greedy.choices[0].text
+    words = text.split()
+    stop = next(w for w in words[1:] if len(w) >= 3 and text.find(w) > 0)
+    expected = text[:text.find(stop)]
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "@@never@@"])
+    r = client.completions.create(**kwargs)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_samples_and_seed_reproduces(client, model_name):
+    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3, seed=1234,
+                  extra_body={"ignore_eos": True})
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices]
+    assert len(set(texts)) > 1            # sample i uses seed + i
+    assert a.usage.completion_tokens == 18 and a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_completion_logprobs(client, model_name):
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and len(top) >= 3
+        assert value == pytest.approx(max(top.values()))      # greedy: the sampled token is the most likely
+        assert top[token] == pytest.approx(value)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+
+def test_chat_stream_and_not_with_usage(client, model_name, tokenizer):
+    messages = [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
+    r = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    flat = [messages[0], {"role": "user", "content": "Name a color."}]
+    assert r.usage.prompt_tokens == len(chat_prompt_ids(tokenizer, flat))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=10,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [r.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_logprobs_and_n_stream(client, model_name):
+    messages = [{"role": "user", "content": "Say hello."}]
+    r = client.chat.completions.create(model=model_name, messages=messages, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert c.bytes == list(c.token.encode())
+
+    chunks = list(client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, n=2,
+                                                 temperature=0.8, seed=3, stream=True))
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and all(texts.values())
+
+
+def test_cached_prompt_tokens_are_reported(client, model_name):
+    prompt = f"Cache probe {uuid.uuid4().hex}. " + "The quick brown fox jumps over the lazy dog. " * 8
+    first = client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
+    second = client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
+    n = first.usage.prompt_tokens
+    assert n > 64
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and n - 16 <= cached < n     # every full block but the one holding the last token
+
+
+# ---- other endpoints ---------------------------------------------------------------------------------
+
+def test_models_tokenize_detokenize_metrics(server, client, model_name, tokenizer):
+    assert [m.id for m in client.models.list().data] == [model_name]
+    r = httpx.post(server.base + "/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == 5 and r["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == chat_prompt_ids(tokenizer, messages)
+    r = httpx.post(server.base + "/detokenize", json={"tokens": tokenizer.encode(PROMPT)}).json()
+    assert r == {"prompt": PROMPT}
+    m = server.metrics()
+    for name in ("tokenmill_num_requests_running", "tokenmill_num_requests_waiting", "tokenmill_kv_blocks_used",
+                 "tokenmill_kv_blocks_total", "tokenmill_prefix_cache_hit_rate", "tokenmill_num_preemptions_total",
+                 "tokenmill_prompt_tokens_total", "tokenmill_generation_tokens_total",
+                 "tokenmill_time_to_first_token_seconds_count", "tokenmill_inter_token_latency_seconds_count",
+                 "tokenmill_e2e_request_latency_seconds_count", 'tokenmill_requests_total{status="length"}',
+                 'tokenmill_requests_total{status="abort"}'):
+        assert name in m, name
+    assert m["tokenmill_kv_blocks_total"] == 256
+    assert m["tokenmill_e2e_request_latency_seconds_count"] >= 1 and m["tokenmill_generation_tokens_total"] >= 12
+    assert 0 < m["tokenmill_prefix_cache_hit_rate"] < 1
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+ERROR_CASES = [
+    # (path, body, status, param, code)
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stop": [""]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     400, "max_completion_tokens", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 30}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": -1},
+     400, "n", None),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt", None),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", None),
+]
+
+
+def check_error(r: httpx.Response, status: int, param: str | None, code: str | None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param or (param is not None and str(error["param"]).startswith(param)), error
+    assert error["code"] == code and error["message"]
+    if param is not None:
+        assert param.split("[")[0] in error["message"]
+    return error
+
+
+@pytest.mark.parametrize("path,body,status,param,code", ERROR_CASES,
+                         ids=[f"{i}-{c[2]}-{c[3]}" for i, c in enumerate(ERROR_CASES)])
+def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, status, param, code):
+    r = httpx.post(server.base + path, json=body, headers=auth(KEY), timeout=60)
+    check_error(r, status, param, code)
+
+
+def test_error_classes_through_the_openai_client(server, client, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.status_code == 400 and e.value.param == "tools"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert e.value.code == "model_not_found"
+    bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+
+
+def test_raw_protocol_errors(server):
+    headers = {**auth(KEY), "Content-Type": "application/json"}
+    r = httpx.post(server.base + "/v1/completions", content=b"{not json", headers=headers)
+    assert check_error(r, 400, None, None)["message"].startswith("the request body is not valid JSON")
+    check_error(httpx.post(server.base + "/v1/completions", content=b"[1, 2]", headers=headers), 400, None, None)
+    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
+    check_error(httpx.post(server.base + "/v1/completions", content=big, headers=headers), 413, None,
+                "request_too_large")
+    r = httpx.get(server.base + "/v1/nothing-here", headers=headers)
+    check_error(r, 404, None, None)
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+        for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+            r = httpx.request("GET" if path == "/v1/models" else "POST", server.base + path, headers=h,
+                              json={"prompt": "x"})
+            check_error(r, 401, None, "invalid_api_key")
+    assert httpx.get(server.base + "/health").status_code == 200       # open: no key needed
+    assert httpx.get(server.base + "/metrics").status_code == 200
+
+
+# ---- concurrency and cancellation ----------------------------------------------------------------------
+
+def test_32_concurrent_streams_each_match_their_text_alone(client, model_name):
+    prompts = [f"Note {i}: the {['red', 'blue', 'green', 'old'][i % 4]} {['ship', 'tree', 'house', 'road'][i // 8]} "
+               f"number {i} is" for i in range(32)]
+    kwargs = dict(model=model_name, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    barrier = threading.Barrier(32)
+
+    def stream(p: str) -> str:
+        barrier.wait()
+        return "".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **kwargs))
+
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(stream, prompts))
+    assert together == alone
+    assert len(set(alone)) > 8
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_client_disconnect_aborts_and_frees_every_block(server, model_name):
+    before = server.metrics()['tokenmill_requests_total{status="abort"}']
+    body = {"model": model_name, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.base + "/v1/completions", json=body, headers=auth(KEY)) as r:
+            assert r.status_code == 200
+            lines = 0
+            for line in r.iter_lines():
+                lines += line.startswith("data:")
+                if lines == 3:
+                    break
+    assert server.metrics()["tokenmill_num_requests_running"] <= 1
+
+    def aborted_and_free(n: float) -> bool:
+        m = server.metrics()
+        return (m['tokenmill_requests_total{status="abort"}'] == n and m["tokenmill_kv_blocks_used"] == 0
+                and m["tokenmill_num_requests_running"] == 0)
+
+    assert wait_for(lambda: aborted_and_free(before + 1)), server.metrics()
+
+    # Not streaming: the client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json={**body, "stream": False}, headers=auth(KEY), timeout=1.5)
+    assert wait_for(lambda: aborted_and_free(before + 2)), server.metrics()
+
+
+def test_queue_full_is_429_with_retry_after(server, model_name):
+    """32 running sequences (--max-num-seqs) + 2 queued (--max-queued-requests): the next one is refused."""
+    headers = auth(KEY)
+    body = {"model": model_name, "prompt": "List every animal you know.", "max_tokens": 100, "ignore_eos": True,
+            "stream": True}
+    before = server.metrics()['tokenmill_requests_total{status="rejected"}']
+    with httpx.Client(timeout=120) as c1, httpx.Client(timeout=120) as c2:
+        with c1.stream("POST", server.base + "/v1/completions", json={**body, "n": 32}, headers=headers) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()    # (kept: dropping the iterator would close the connection)
+            next(lines)                     # 32 sequences run (they last ~100 steps) ...
+            with c2.stream("POST", server.base + "/v1/completions", json={**body, "n": 2}, headers=headers) as queued:
+                assert queued.status_code == 200    # ... 2 more are accepted into the queue ...
+                r = httpx.post(server.base + "/v1/completions", json=body, headers=headers)   # ... one more is not
+                check_error(r, 429, None, "queue_full")
+                assert r.headers["retry-after"] == "1"
+                r = httpx.post(server.base + "/v1/completions", json={**body, "n": 35}, headers=headers)
+                check_error(r, 400, "n", None)      # more than the server could ever hold
+                assert wait_for(lambda: server.metrics()["tokenmill_num_requests_running"] == 32
+                                and server.metrics()["tokenmill_num_requests_waiting"] >= 1), server.metrics()
+    # Both clients went away: their requests are aborted, the queue drains, requests are accepted again.
+    assert wait_for(lambda: server.metrics()["tokenmill_kv_blocks_used"] == 0)
+    assert server.metrics()['tokenmill_requests_total{status="rejected"}'] == before + 1
+    ok = httpx.post(server.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=headers)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- SIGTERM, the --api-key flag, a bad model path (on a tiny random model) ------------------------------
+
+def test_api_key_flag_then_sigterm_finishes_the_stream_in_flight_and_exits_cleanly(tiny_gguf_model, tmp_path):
+    s = Server([str(tiny_gguf_model("llama")), "--dtype", "float32", "--device", "cpu", "--api-key", TINY_KEY],
+               tmp_path / "term.log", {"TOKENMILL_API_KEY": "ignored"})
+    try:
+        s.wait_ready(TINY_KEY)
+        # The flag wins over the environment variable.
+        check_error(httpx.get(s.base + "/v1/models", headers=auth("ignored")), 401, None, "invalid_api_key")
+        assert httpx.get(s.base + "/v1/models", headers=auth(TINY_KEY)).status_code == 200
+
+        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=60) as c, c.stream("POST", s.base + "/v1/completions", json=body,
+                                                     headers=auth(TINY_KEY)) as r:
+            lines = r.iter_lines()
+            next(lines)
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][5:])["usage"]["completion_tokens"] == 200
+        assert s.proc.wait(60) == 0
+        assert "engine stopped" in s.log()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.base + "/health")
+    finally:
+        stop_process(s.proc)
+
+
+def test_serve_refuses_bad_flags_and_model_paths_before_listening(tmp_path, capsys):
+    for argv, words in ((["serve", str(tmp_path / "missing.gguf")], ["missing.gguf"]),
+                        (["serve", "--max-queued-requests", "-1"], ["--max-queued-requests", ">= 0"]),
+                        (["serve", "a.gguf", "--model", "b.gguf"], ["MODEL", "given twice"])):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tokenmill: error:") and all(w in err for w in words) and "Traceback" not in err
+
+
+def test_serve_exits_with_one_line_when_the_model_fails_to_load(tiny_gguf_model):
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_gguf_model("llama")), "--port",
+                        str(free_port()), "--max-model-len", "999999"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokenmill: error: max_model_len (999999)") and "Traceback" not in r.stderr

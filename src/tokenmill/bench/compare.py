@@ -275,8 +275,10 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
                work["seed"], timeout)
         for level in levels:
             _print_load(f"{name}: {len(work['prompts'])} requests at concurrency {level}")
-            row["levels"][str(level)] = _drive(base_url, work["prompts"], work["output_lens"], level, work["seed"],
-                                               timeout)
+            # Each level gets prompts of its own: a server must not answer one level from its prompt cache of
+            # the level before (both tokenmill and llama-server cache prompts).
+            row["levels"][str(level)] = _drive(base_url, work["level_prompts"][level], work["output_lens"], level,
+                                               work["seed"], timeout)
         row["peak_rss_mib"] = _vm_hwm_mib(process.pid)
     finally:
         code = bench_serve.stop_process(process)
@@ -426,6 +428,8 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     # ---- concurrent load ----
     if levels:
         work = {"prompts": prompts, "output_lens": output_lens, "seed": seed,
+                "level_prompts": {c: make_prompts(tokenizer, [len(p) for p in prompts], seed, tag=f"Level {c} request")
+                                  for c in levels},
                 "warmup_prompts": make_prompts(tokenizer, [16] * 2, seed, tag="Warm-up")}
         serve_args = argparse.Namespace(**vars(args))
         if serve_args.num_kv_blocks is None and serve_args.kv_cache_memory is None:

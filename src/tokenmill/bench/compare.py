@@ -101,9 +101,10 @@ def _measure_batch1(gen, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _peak_rss_mib() -> float:
-    """This process's peak resident memory. Linux's VmHWM, not getrusage's ru_maxrss: ru_maxrss
-    survives exec, so a child started from a big parent (this command has torch loaded) would
-    report the parent's peak as its own."""
+    """This process's peak resident memory (latency.peak_rss_mib's twin: this file also runs as a
+    torch-free script for the llama.cpp worker, so it cannot import the tokenmill package). Linux's
+    VmHWM, not getrusage's ru_maxrss: ru_maxrss survives exec, so a child started from a big parent
+    (this command has torch loaded) would report the parent's peak as its own."""
     import resource
 
     hwm = _vm_hwm_mib("self")

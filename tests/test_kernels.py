@@ -8,8 +8,10 @@ import pytest
 import torch
 from engine_helpers import greedy, make_engine
 
-from tokenmill import kernels
+from tokenmill import LLM, SamplingParams, kernels
+from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import Attention
+from tokenmill.models.loader import weight_forms
 
 
 def random_paged_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -81,13 +83,25 @@ def test_engine_greedy_tokens_equal_on_both_backends(tiny_hf_model):
     assert outputs["auto"] == outputs["torch"]
 
 
-def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
+def _clear_kernel_caches() -> None:
+    for fn in (kernels._library, kernels.load, kernels.load_quant):
+        fn.cache_clear()
+
+
+def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog, tiny_gguf_model):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    kernels.load.cache_clear()
+    _clear_kernel_caches()
     try:
         with caplog.at_level(logging.WARNING, logger="tokenmill.kernels"):
             assert kernels.load() is None
             assert not kernels.supports_paged_decode(torch.zeros(1, 1, 1, 1))
-        assert "PyTorch path" in caplog.text
+            assert kernels.load_quant() is None
+        assert "PyTorch path" in caplog.text and "dequantized at load" in caplog.text
+        # quantized GGUF weights are then dequantized; asking for at-load quantization is an error
+        llm = LLM(str(tiny_gguf_model("llama", "Q4_1")), num_kv_blocks=16)
+        assert weight_forms(llm.engine.model) == {"dense": 10}
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+        with pytest.raises(TokenmillError, match="quantization: 'int4' runs with the C kernel only"):
+            LLM(str(tiny_gguf_model("llama", "Q4_1")), quantization="int4", num_kv_blocks=16)
     finally:
-        kernels.load.cache_clear()
+        _clear_kernel_caches()

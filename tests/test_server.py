@@ -81,8 +81,8 @@ def auth(key: str | None) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(default_gguf_path, tmp_path_factory) -> Server:
     log = tmp_path_factory.mktemp("server") / "default.log"
-    # The default path (GGUF weights kept quantized): each row's kernel is chosen from its own request,
-    # so the 32-request burst below must reproduce every solo greedy text exactly.
+    # The default path (GGUF weights kept quantized): the kernel's output for a row does not depend on
+    # the other rows, so the 32-request burst below must reproduce every solo greedy text exactly.
     s = Server([str(default_gguf_path), "--dtype", "float32", "--device", "cpu",
                 "--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
                 "--max-queued-requests", "2"], log, {"TOKENMILL_API_KEY": KEY})

@@ -14,7 +14,6 @@ from torch import nn
 
 from tokenmill.engine.request import Request
 from tokenmill.layers.attention import AttentionMetadata, bind_kv_caches
-from tokenmill.layers.quant import DENSE_MIN_PROMPT, step_rows
 from tokenmill.sampling import Sampler, SamplingBatch
 
 
@@ -23,19 +22,6 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]]
-
-
-def dense_rows(scheduled: list[tuple[Request, int]]) -> list[bool]:
-    """Per row of the step: does it take the dense path of quantized weights (layers/quant.py)?
-    The prompt tokens of long prompts do (prefill: arithmetic-bound); generated tokens and short
-    prompts take the weight-only kernels. Decided from each row's own request, never from the
-    batch, so a request's tokens do not depend on what it runs with."""
-    rows: list[bool] = []
-    for request, n in scheduled:
-        start, prompt = request.num_computed_tokens, len(request.prompt_token_ids)
-        long_prompt = prompt >= DENSE_MIN_PROMPT
-        rows.extend(long_prompt and pos < prompt for pos in range(start, start + n))
-    return rows
 
 
 class ModelRunner:
@@ -88,8 +74,7 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, SampledToken]]:
         """Run one step; returns a sampled token for each request that completed its tokens."""
         input_ids, positions, meta, logits_rows, sampled = self.prepare(scheduled)
-        with step_rows(dense_rows(scheduled)):
-            hidden = self.model(input_ids, positions, meta)
+        hidden = self.model(input_ids, positions, meta)
         if not sampled:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])

@@ -1,6 +1,10 @@
 """CPU kernels written in C where no PyTorch op fits, compiled on first use and called by ctypes.
 
-The C source ships with the package; it is compiled once per machine with the system's C compiler
+- paged_attention.c: single-query (decode) attention straight from the paged KV cache.
+- quant_matmul.c: x W^T for weights in 4/8-bit groups of 32 with int8 activations (VNNI), and
+  row dequantization of the same layout (layers/quant.py packs the weights).
+
+The C sources ship with the package; each is compiled once per machine with the system's C compiler
 (`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
 The build links OpenMP by soname, so at run time it shares the runtime PyTorch already loaded (one
 thread pool, not two). Without a compiler the callers fall back to their PyTorch path: `load()`
@@ -24,7 +28,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -45,18 +48,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+def _compile(compiler: str, source_path: Path) -> Path:
+    source = source_path.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
@@ -65,17 +68,24 @@ def _compile(compiler: str) -> Path:
 
 
 @cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (logged once) if it cannot be built here."""
+def _library(name: str, fallback: str) -> ctypes.CDLL | None:
+    """kernels/{name}.c compiled and loaded, or None (logged once, naming `fallback`)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: decode attention uses the slower PyTorch path")
+        logger.warning("no C compiler found: %s", fallback)
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(compiler)))
+        return ctypes.CDLL(str(_compile(compiler, Path(__file__).with_name(f"{name}.c"))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("could not build the C attention kernel (%s): decode attention uses the slower "
-                       "PyTorch path", e)
+        logger.warning("could not build the C kernel %s (%s): %s", name, e, fallback)
+        return None
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled decode-attention library, or None (logged once) if it cannot be built here."""
+    lib = _library("paged_attention", "decode attention uses the slower PyTorch path")
+    if lib is None:
         return None
     args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
         ctypes.c_float, ctypes.c_int]
@@ -112,4 +122,45 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         torch.get_num_threads())
     if failed:
         raise MemoryError("paged decode attention: out of memory for the score buffer")
+    return out
+
+
+# ---------------------------------------------------------------------------------- quantized matmul
+
+
+@cache
+def load_quant() -> ctypes.CDLL | None:
+    """The compiled quantized-matmul library, or None (logged once) if it cannot be built here."""
+    lib = _library("quant_matmul", "quantized weights are dequantized at load")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
+    lib.quant_matmul.restype = ctypes.c_int
+    lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
+    lib.quant_rows.restype = None
+    lib.quant_matmul_has_simd.restype = ctypes.c_int
+    return lib
+
+
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 out_features: int, bits: int, generic: bool = False) -> torch.Tensor:
+    """fp32 [M, N] = x [M, K] @ W^T, W packed by layers/quant.py; activations quantized to int8 per
+    group of 32 inside. `generic` runs the portable C path (the tests' reference for the SIMD one)."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], out_features)
+    if load_quant().quant_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
+                                 offsets.data_ptr(), out_features, bits, y.data_ptr(), int(generic),
+                                 torch.get_num_threads()):
+        raise MemoryError("quantized matmul: out of memory for the activation buffer")
+    return y
+
+
+def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, in_features: int, bits: int,
+               ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(ids), K]: rows `ids` of the packed W, dequantized."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), in_features)
+    load_quant().quant_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), in_features, bits,
+                            ids.data_ptr(), ids.numel(), out.data_ptr())
     return out

@@ -1,19 +1,17 @@
-"""GGUF quantized blocks -> int4 planes (`quant.Int4Planes`), without going through float weights.
+"""GGUF quantized blocks -> `quant.BlockQuant` (W = d u + m per group of 32), without going
+through float weights.
 
-Exact forms (W equals the `gguf` package's dequantization, up to float32 rounding of the scales):
+  Q4_0   32-block: w = d (q - 8)             4 bits: u = q, m = -8 d
+  Q4_1   32-block: w = d q + m               4 bits: u = q
+  Q4_K   32-sub-block: w = d sc q - dmin mn  4 bits: u = q, scale d sc, offset -dmin mn
+  Q5_0   w = d (lo + 16 hi - 16)             8 bits: u = lo + 16 hi, m = -16 d
+  Q5_1   w = d (lo + 16 hi) + m              8 bits: u = lo + 16 hi
+  Q5_K   w = d sc (lo + 16 hi) - dmin mn     8 bits: u = lo + 16 hi, scale d sc, offset -dmin mn
+  Q8_0   w = d q, q int8                     8 bits: u = q + 128, m = -128 d
 
-  Q4_0   32-block: w = d (q - 8)             one plane: scale d, zero 0
-  Q4_1   32-block: w = d q + m               one plane: scale d, zero m + 8d
-  Q4_K   32-sub-block: w = d sc q - dmin m   one plane: scale d sc, zero 8 d sc - dmin m
-  Q5_0   w = d (lo + 16 hi - 16)             low plane: scale d, zero -8d;
-                                             high plane: q = hi + 8, scale 16d, zero 0
-  Q5_1   w = d (lo + 16 hi) + m              low: scale d, zero 8d + m; high as Q5_0
-  Q5_K   w = d sc (lo + 16 hi) - dmin m      low: scale d sc, zero 8 d sc - dmin m; high: 16 d sc
-  Q8_0   w = d q, q + 128 = lo + 16 hi       low: scale d, zero 8d; high: q = hi, scale 16d, zero 0
-
-(the high plane is stored so that q - 8 is the value times one: no large zero to cancel, which
-keeps the bf16 rounding of zeros small). Every other quantized type (Q6_K with 16-element
-sub-blocks, Q2_K, Q3_K, IQ4_NL, IQ4_XS) has no exact int4 group-32 form: `gguf_to_planes` returns
+Exact for every type whose scales are fp16 numbers (all but the K-quants, whose sub-block products
+d sc and dmin mn are rounded to fp16: relative error <= 2^-11). Every other quantized type (Q6_K
+with 16-element sub-blocks, Q2_K, Q3_K, IQ4_NL, IQ4_XS) has no such form: `gguf_to_blocks` returns
 None and the caller requantizes the dequantized values to 8 bits per group of 32.
 """
 
@@ -24,10 +22,10 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.checkpoint import GGUFBlocks
-from tokenmill.layers.quant import Int4Planes
+from tokenmill.layers.quant import BlockQuant
 
-ONE_PLANE_TYPES = frozenset(["Q4_0", "Q4_1", "Q4_K"])
-TWO_PLANE_TYPES = frozenset(["Q5_0", "Q5_1", "Q5_K", "Q8_0"])
+FOUR_BIT_TYPES = frozenset(["Q4_0", "Q4_1", "Q4_K"])
+EIGHT_BIT_TYPES = frozenset(["Q5_0", "Q5_1", "Q5_K", "Q8_0"])
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -46,43 +44,33 @@ def _bits32(qh: torch.Tensor) -> torch.Tensor:
     return (qh[..., j // 8] >> (j % 8).to(torch.uint8)) & 1
 
 
-def _one_plane(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Planes:
-    n = q.shape[0]
-    return Int4Planes(q.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1), 1)
+def _blocks(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> BlockQuant:
+    n = u.shape[0]
+    return BlockQuant(u.reshape(n, -1), d.reshape(n, -1), m.reshape(n, -1), bits)
 
 
-def _two_planes(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                hi_scale: torch.Tensor) -> Int4Planes:
-    n = lo.shape[0]
-    return Int4Planes(torch.cat([lo.reshape(n, -1), hi.reshape(n, -1)], 1),
-                      torch.cat([scale.reshape(n, -1), hi_scale.reshape(n, -1)], 1),
-                      torch.cat([zero.reshape(n, -1), torch.zeros_like(zero).reshape(n, -1)], 1), 2)
-
-
-def _q4_0(b: torch.Tensor) -> Int4Planes:
+def _q4_0(b: torch.Tensor) -> BlockQuant:
     d = _f16(b[..., 0:2])
-    return _one_plane(_nibbles(b[..., 2:18]), d, torch.zeros_like(d))
+    return _blocks(_nibbles(b[..., 2:18]), d, -8 * d, 4)
 
 
-def _q4_1(b: torch.Tensor) -> Int4Planes:
-    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    return _one_plane(_nibbles(b[..., 4:20]), d, m + 8 * d)
+def _q4_1(b: torch.Tensor) -> BlockQuant:
+    return _blocks(_nibbles(b[..., 4:20]), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4)
 
 
-def _q5_0(b: torch.Tensor) -> Int4Planes:
+def _q5_0(b: torch.Tensor) -> BlockQuant:
     d = _f16(b[..., 0:2])
-    return _two_planes(_nibbles(b[..., 6:22]), _bits32(b[..., 2:6]) + 8, d, -8 * d, 16 * d)
+    return _blocks(_nibbles(b[..., 6:22]) + 16 * _bits32(b[..., 2:6]), d, -16 * d, 8)
 
 
-def _q5_1(b: torch.Tensor) -> Int4Planes:
-    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    return _two_planes(_nibbles(b[..., 8:24]), _bits32(b[..., 4:8]) + 8, d, 8 * d + m, 16 * d)
+def _q5_1(b: torch.Tensor) -> BlockQuant:
+    return _blocks(_nibbles(b[..., 8:24]) + 16 * _bits32(b[..., 4:8]), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 8)
 
 
-def _q8_0(b: torch.Tensor) -> Int4Planes:
+def _q8_0(b: torch.Tensor) -> BlockQuant:
     d = _f16(b[..., 0:2])
     u = (b[..., 2:34].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return _two_planes(u & 15, u >> 4, d, 8 * d, 16 * d)
+    return _blocks(u, d, -128 * d, 8)
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,27 +93,27 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([chunks & 15, chunks >> 4], -2).flatten(-3, -2)  # [..., 8, 32]
 
 
-def _q4_k(b: torch.Tensor) -> Int4Planes:
+def _q4_k(b: torch.Tensor) -> BlockQuant:
     scale, mins = _k_scales(b)
-    return _one_plane(_k_low_nibbles(b[..., 16:144]), scale, 8 * scale - mins)
+    return _blocks(_k_low_nibbles(b[..., 16:144]), scale, -mins, 4)
 
 
-def _q5_k(b: torch.Tensor) -> Int4Planes:
+def _q5_k(b: torch.Tensor) -> BlockQuant:
     scale, mins = _k_scales(b)
     qh = b[..., 16:48]  # bit j of byte l: the fifth bit of sub-block j, element l
     hi = (qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-    return _two_planes(_k_low_nibbles(b[..., 48:176]), hi + 8, scale, 8 * scale - mins, 16 * scale)
+    return _blocks(_k_low_nibbles(b[..., 48:176]) + 16 * hi, scale, -mins, 8)
 
 
-# qtype -> (bytes per block, decoder of [N, blocks, bytes] -> planes)
-_DECODERS: dict[str, tuple[int, Callable[[torch.Tensor], Int4Planes]]] = {
+# qtype -> (bytes per block, decoder of [N, blocks, bytes] -> BlockQuant)
+_DECODERS: dict[str, tuple[int, Callable[[torch.Tensor], BlockQuant]]] = {
     "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q5_0": (22, _q5_0), "Q5_1": (24, _q5_1),
     "Q8_0": (34, _q8_0), "Q4_K": (144, _q4_k), "Q5_K": (176, _q5_k),
 }
 
 
-def gguf_to_planes(blocks: GGUFBlocks) -> Int4Planes | None:
-    """The exact int4-plane form of `blocks`, or None for types that have none."""
+def gguf_to_blocks(blocks: GGUFBlocks) -> BlockQuant | None:
+    """The BlockQuant form of `blocks`, or None for types that have none."""
     if blocks.qtype not in _DECODERS:
         return None
     block_bytes, decode = _DECODERS[blocks.qtype]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quant import QuantizedWeight, quantized_logits
+from tokenmill.layers.quant import QuantWeight, quantized_logits
 
 
 class Linear(nn.Module):
@@ -25,9 +25,9 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
-        self.qweight: QuantizedWeight | None = None
+        self.qweight: QuantWeight | None = None
 
-    def set_quantized(self, qweight: QuantizedWeight) -> None:
+    def set_quantized(self, qweight: QuantWeight) -> None:
         """Run with `qweight` instead of the dense weight (which is dropped)."""
         self.weight = None
         self.qweight = qweight
@@ -48,9 +48,9 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
-        self.qweight: QuantizedWeight | None = None
+        self.qweight: QuantWeight | None = None
 
-    def set_quantized(self, qweight: QuantizedWeight) -> None:
+    def set_quantized(self, qweight: QuantWeight) -> None:
         self.weight = None
         self.qweight = qweight
 

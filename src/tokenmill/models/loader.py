@@ -16,14 +16,13 @@ Quantization (`EngineConfig.quantization`, CPU only). The weights of Linear and 
 collected shard by shard (GGUF quantized tensors as their blocks, `GGUFBlocks`) and, once a layer
 has all its shards, turned into one weight by `build_weight`:
 
-  None (default)  GGUF Q4_0/Q4_1/Q4_K -> int4 (one plane); Q5_0/Q5_1/Q5_K/Q8_0 -> int4 (two planes),
-                  both exact; other quantized types -> requantized to 8 bits per group of 32
-                  (two planes); float tensors stay dense
+  None (default)  GGUF Q4_0/Q4_1/Q4_K -> 4 bits per value; Q5_0/Q5_1/Q5_K/Q8_0 -> 8 bits, both in
+                  groups of 32 (layers/gguf_quant.py); other quantized types -> requantized to 8 bits
+                  per group of 32; float tensors stay dense
   "none"          everything dequantized to the compute dtype (the reference)
-  "int8" | "int4" as None, and float tensors are quantized too: int8 with one scale per row, or
-                  4 bits per group of 32
-A fused layer takes the widest form among its shards (one plane < two planes); a layer mixing a
-dense shard with quantized ones stays dense.
+  "int8" | "int4" as None, and float tensors are quantized too: 8 or 4 bits per group of 32
+A fused layer takes the widest form among its shards (4 < 8 bits); a layer mixing a dense shard with
+quantized ones stays dense (modes int8/int4 quantize that shard too).
 """
 
 from __future__ import annotations
@@ -39,17 +38,9 @@ from tqdm.auto import tqdm
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig
 from tokenmill.errors import CheckpointError, TokenmillError
-from tokenmill.layers.gguf_quant import ONE_PLANE_TYPES, gguf_to_planes
+from tokenmill.layers.gguf_quant import FOUR_BIT_TYPES, gguf_to_blocks
 from tokenmill.layers.linear import Embedding, Linear
-from tokenmill.layers.quant import (
-    GROUP_SIZE,
-    Int4Planes,
-    Int4Weight,
-    Int8Weight,
-    QuantizedWeight,
-    int4_layout,
-    quantize_planes,
-)
+from tokenmill.layers.quant import GROUP_SIZE, BlockQuant, QuantWeight, kernel_available, quantize
 from tokenmill.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -81,21 +72,21 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
 
 
 def weight_forms(model: nn.Module) -> dict[str, int]:
-    """How many Linear/Embedding layers hold each weight form: dense, int8, int4x1, int4x2 (planes)."""
+    """How many Linear/Embedding layers hold each weight form: dense, int4, int8."""
     forms: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, (Linear, Embedding)):
             q = module.qweight
-            form = "dense" if q is None else "int8" if isinstance(q, Int8Weight) else f"int4x{q.num_planes}"
+            form = "dense" if q is None else f"int{q.bits}"
             forms[form] = forms.get(form, 0) + 1
     return dict(sorted(forms.items()))
 
 
 def _check_quantization(quantization: str | None, device: torch.device) -> str:
-    """The effective mode: quantized kernels run on CPU only; elsewhere None means "none"."""
-    if device.type != "cpu" or int4_layout() is None:
+    """The effective mode: the quantized kernel runs on CPU only; elsewhere None means "none"."""
+    if device.type != "cpu" or not kernel_available():
         if quantization in ("int8", "int4"):
-            where = "on CPU only" if device.type != "cpu" else "with this PyTorch build's int4 CPU kernels only"
+            where = "on CPU only" if device.type != "cpu" else "with the C kernel only (no C compiler here?)"
             raise TokenmillError(f"quantization: {quantization!r} runs {where}")
         return "none"
     return "auto" if quantization is None else quantization
@@ -168,34 +159,28 @@ def _set_weight(module: Linear | Embedding, param: nn.Parameter, shards: list[Sh
         module.set_quantized(weight)
 
 
-def _shard_form(shard: Shard, quantization: str) -> str:
-    """How one shard would be held: "dense", "int8" (one scale per row), "int4" (one plane) or
-    "int4x2" (two planes)."""
+def _shard_bits(shard: Shard, quantization: str) -> int | None:
+    """Bits per value a shard would be held in (4 or 8), or None: dense."""
     if isinstance(shard, GGUFBlocks):
-        return "int4" if shard.qtype in ONE_PLANE_TYPES else "int4x2"
-    if quantization == "int8":
-        return "int8"
-    if quantization == "int4" and shard.shape[-1] % GROUP_SIZE == 0:
-        return "int4"
-    return "dense"
+        return 4 if shard.qtype in FOUR_BIT_TYPES else 8
+    if quantization in ("int8", "int4") and shard.shape[-1] % GROUP_SIZE == 0:
+        return 8 if quantization == "int8" else 4
+    return None
 
 
-def _shard_planes(shard: Shard, num_planes: int) -> Int4Planes:
+def _shard_blocks(shard: Shard, bits: int) -> BlockQuant:
     if isinstance(shard, GGUFBlocks):
-        planes = gguf_to_planes(shard)
-        if planes is None:  # no exact int4 form (Q6_K, ...): 8 bits per group of 32
-            planes = quantize_planes(shard.dequantize(), 8)
+        q = gguf_to_blocks(shard)
+        if q is None:  # no exact form (Q6_K, ...): 8 bits per group of 32
+            q = quantize(shard.dequantize(), 8)
     else:
-        planes = quantize_planes(shard, 4 if num_planes == 1 else 8)
-    return planes.with_planes(num_planes)
+        q = quantize(shard, bits)
+    return q.widened(bits)
 
 
-def build_weight(shards: list[Shard], quantization: str, dtype: torch.dtype) -> QuantizedWeight | None:
+def build_weight(shards: list[Shard], quantization: str, dtype: torch.dtype) -> QuantWeight | None:
     """One quantized weight for a layer's shards (stacked along rows), or None: keep it dense."""
-    forms = {_shard_form(s, quantization) for s in shards}
-    if "dense" in forms:
+    bits = [_shard_bits(s, quantization) for s in shards]
+    if None in bits:
         return None
-    if forms == {"int8"}:
-        return Int8Weight(torch.cat(shards), dtype)
-    num_planes = 1 if forms == {"int4"} else 2
-    return Int4Weight(Int4Planes.cat([_shard_planes(s, num_planes) for s in shards]), dtype)
+    return QuantWeight(BlockQuant.cat([_shard_blocks(s, max(bits)) for s in shards]), dtype)

@@ -1,0 +1,238 @@
+/* y = x W^T for block-quantized weights and int8-quantized activations, for CPUs.
+ *
+ * Weights: unsigned values u (4 or 8 bits) in groups of 32 inputs, each group of each row with its
+ * own scale d and offset m (fp16): W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32. This holds
+ * GGUF's Q4_0/Q4_1/Q4_K (4 bits), Q5_0/Q5_1/Q5_K/Q8_0 (8 bits, e.g. Q8_0: u = q + 128, m = -128 d) and any
+ * other weight requantized to 8 bits per group.
+ *
+ * Activations: each row's group of 32 is split on entry into two int8 planes (quantize_row):
+ * x[k] ~ dx[g] (254 hi[k] + lo[k]), where hi is the plain int8 rounding that llama.cpp uses and lo
+ * rounds what it leaves; each activation is then within 2^-16 of its group's largest. Plain int8
+ * activations cost SmolLM2 a mean KL of 2.8e-2 against the float model (outlier channels make
+ * coarse steps for their whole group); the two planes, 1.5e-6. Then
+ *   sum_k W[n, k] x[k] ~ sum_g ( d[n, g] dx[g] (254 sum_k u hi + sum_k u lo)  +  m[n, g] sum_k x[k] )
+ * The inner sums are exact integers (VNNI dot products of u8 x s8); the second term uses the exact
+ * float sum of the group's activations. A row's output never depends on the other rows.
+ *
+ * Layout (`pack` in layers/quant.py): rows in tiles of 16. For tile t and group g:
+ *   8 bits: 8 vectors of 64 bytes; vector c, byte 4r + i = u[16t + r, 32g + 4c + i]
+ *   4 bits: 4 vectors of 64 bytes; vector j, byte 4r + i = u[.., 32g + 4j + i] | u[.., 32g + 16 + 4j + i] << 4
+ *   d, m:   [tiles, groups, 16] fp16
+ * so one VNNI instruction takes 4 inputs of 16 rows against 4 activation bytes broadcast to all
+ * lanes, and lane r accumulates row r: no horizontal sums.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#include <immintrin.h>
+#endif
+
+#define TILE 16
+#define GROUP 32
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    union { uint32_t u; float f; } c;
+    if (exp == 0) {  /* zero or subnormal */
+        c.f = (float)mant * 5.9604644775390625e-8f;  /* 2^-24 */
+        c.u |= sign;
+        return c.f;
+    }
+    c.u = sign | (exp == 31 ? 0x7f800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+    return c.f;
+}
+
+/* ---- activations: one row -> two int8 planes, scale and exact float sum per group ----
+ * x ~ dx (254 hi + lo): hi = round(x / (254 dx)) is the usual int8 rounding (|hi| <= 127) and lo
+ * rounds the remainder (|lo| <= 127), so each activation is within dx / 2 of its value: 2^-8 of
+ * the plain int8 error, for twice the dot products. */
+
+static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx, float *bx) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            const float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+            sum += xg[i];
+        }
+        const float step = amax / 127.0f, fine = step / 254.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv_fine = amax > 0.0f ? 1.0f / fine : 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            const float h = nearbyintf(xg[i] * inv);
+            float l = nearbyintf((xg[i] - h * step) * inv_fine);
+            l = l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
+            hi[g * GROUP + i] = (int8_t)h;
+            lo[g * GROUP + i] = (int8_t)l;
+        }
+        dx[g] = fine;
+        bx[g] = sum;
+    }
+}
+
+/* ---- the unsigned value of (row r, input k) of a tile-group, from the packed bytes ---- */
+
+static inline int weight_u(const uint8_t *tg, int bits, int r, int k) {
+    if (bits == 8) return tg[(k / 4) * 64 + 4 * r + k % 4];
+    const int c = k / 4, j = c % 4;
+    const uint8_t b = tg[j * 64 + 4 * r + k % 4];
+    return c < 4 ? b & 15 : b >> 4;
+}
+
+/* Reference (portable C) tile kernel: rows [16t, 16t + nrows) of y for `mb` activation rows. */
+static void tile_generic(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits, int64_t t,
+                         int64_t groups, const int8_t *q, const float *dx, const float *bx, int64_t k,
+                         int64_t mb, float *y, int64_t ldy, int nrows) {
+    const int64_t gbytes = bits * GROUP * TILE / 8;
+    for (int64_t i = 0; i < mb; i++) {
+        float acc[TILE] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *tg = w + (t * groups + g) * gbytes;
+            const int8_t *hg = q + i * 2 * k + g * GROUP, *lg = hg + k;
+            for (int r = 0; r < TILE; r++) {
+                int32_t sh = 0, sl = 0;
+                for (int kk = 0; kk < GROUP; kk++) {
+                    sh += weight_u(tg, bits, r, kk) * hg[kk];
+                    sl += weight_u(tg, bits, r, kk) * lg[kk];
+                }
+                const int64_t sg = (t * groups + g) * TILE + r;
+                const float s = fmaf((float)sh, 254.0f, (float)sl);
+                acc[r] = fmaf(s, f16_to_f32(d[sg]) * dx[i * groups + g], acc[r]);
+                acc[r] = fmaf(f16_to_f32(m[sg]), bx[i * groups + g], acc[r]);
+            }
+        }
+        for (int r = 0; r < nrows; r++) y[i * ldy + r] = acc[r];
+    }
+}
+
+#ifdef HAVE_VNNI
+/* The same sums as tile_generic, for MB activation rows at once; the tile's weights are unpacked
+ * once per group and reused by every row. */
+#define DEFINE_TILE_VNNI(MB)                                                                        \
+static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits,        \
+                           int64_t t, int64_t groups, const int8_t *q, const float *dx,             \
+                           const float *bx, int64_t k, float *y, int64_t ldy, int nrows) {          \
+    const int64_t gbytes = bits * GROUP * TILE / 8;                                                 \
+    const __m512i low = _mm512_set1_epi8(15);                                                       \
+    __m512 acc[MB];                                                                                 \
+    for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();                                      \
+    for (int64_t g = 0; g < groups; g++) {                                                          \
+        const uint8_t *tg = w + (t * groups + g) * gbytes;                                          \
+        __m512i u[8];                                                                               \
+        if (bits == 4) {                                                                            \
+            for (int j = 0; j < 4; j++) {                                                           \
+                const __m512i v = _mm512_loadu_si512(tg + 64 * j);                                  \
+                u[j] = _mm512_and_si512(v, low);                                                    \
+                u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                          \
+            }                                                                                       \
+        } else {                                                                                    \
+            for (int c = 0; c < 8; c++) u[c] = _mm512_loadu_si512(tg + 64 * c);                    \
+        }                                                                                           \
+        const int64_t sg = (t * groups + g) * TILE;                                                 \
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + sg)));           \
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + sg)));           \
+        for (int i = 0; i < MB; i++) {                                                              \
+            const int32_t *a = (const int32_t *)(q + i * 2 * k + g * GROUP), *b = a + k / 4;          \
+            __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();                       \
+            __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();                       \
+            for (int c = 0; c < 8; c += 2) {                                                        \
+                h0 = _mm512_dpbusd_epi32(h0, u[c], _mm512_set1_epi32(a[c]));                        \
+                l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));                        \
+                h1 = _mm512_dpbusd_epi32(h1, u[c + 1], _mm512_set1_epi32(a[c + 1]));                \
+                l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));                \
+            }                                                                                       \
+            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)),         \
+                                             _mm512_set1_ps(254.0f),                                \
+                                             _mm512_cvtepi32_ps(_mm512_add_epi32(l0, l1)));         \
+            acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * groups + g])), acc[i]); \
+            acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(bx[i * groups + g]), acc[i]);               \
+        }                                                                                           \
+    }                                                                                               \
+    const __mmask16 mask = (__mmask16)((1u << nrows) - 1);                                          \
+    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);                  \
+}
+DEFINE_TILE_VNNI(1)
+DEFINE_TILE_VNNI(2)
+DEFINE_TILE_VNNI(4)
+DEFINE_TILE_VNNI(8)
+#endif
+
+#define MBLOCK 8
+
+/* y [M, N] fp32 = x [M, K] fp32 @ W^T. K is a multiple of 32; W has ceil(N / 16) tiles.
+ * generic = 1 forces the portable path (the reference the tests hold the SIMD path to).
+ * Returns 1 if out of memory. */
+int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
+                 const uint16_t *m, int64_t n, int bits, float *y, int generic, int num_threads) {
+    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+    int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
+    float *dx = malloc(sizeof(float) * (size_t)(mrows * groups));
+    float *bx = malloc(sizeof(float) * (size_t)(mrows * groups));
+    if (q == NULL || dx == NULL || bx == NULL) {
+        free(q); free(dx); free(bx);
+        return 1;
+    }
+    #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < mrows; i++)
+            quantize_row(x + i * k, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups);
+        const int64_t mblocks = (mrows + MBLOCK - 1) / MBLOCK;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t b = 0; b < mblocks; b++) {
+                const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
+                int64_t i = b * MBLOCK;
+                const int64_t end = i + MBLOCK < mrows ? i + MBLOCK : mrows;
+                if (generic) {
+                    tile_generic(w, d, m, bits, t, groups, q + 2 * i * k, dx + i * groups, bx + i * groups, k,
+                                 end - i, y + i * n + t * TILE, n, nrows);
+                    continue;
+                }
+#ifdef HAVE_VNNI
+#define RUN(MB) tile_vnni_##MB(w, d, m, bits, t, groups, q + 2 * i * k, dx + i * groups, bx + i * groups, k, \
+                               y + i * n + t * TILE, n, nrows)
+                for (; end - i >= 8; i += 8) RUN(8);
+                for (; end - i >= 4; i += 4) RUN(4);
+                for (; end - i >= 2; i += 2) RUN(2);
+                for (; end - i >= 1; i += 1) RUN(1);
+#undef RUN
+#else
+                tile_generic(w, d, m, bits, t, groups, q + 2 * i * k, dx + i * groups, bx + i * groups, k,
+                             end - i, y + i * n + t * TILE, n, nrows);
+#endif
+            }
+        }
+    }
+    free(q); free(dx); free(bx);
+    return 0;
+}
+
+int quant_matmul_has_simd(void) {
+#ifdef HAVE_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [len(ids), K] fp32: rows `ids` of W, dequantized (embedding lookups, exact logits). */
+void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
+                const int64_t *ids, int64_t count, float *out) {
+    const int64_t groups = k / GROUP, gbytes = bits * GROUP * TILE / 8;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t t = ids[i] / TILE;
+        const int r = (int)(ids[i] % TILE);
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *tg = w + (t * groups + g) * gbytes;
+            const int64_t sg = (t * groups + g) * TILE + r;
+            const float scale = f16_to_f32(d[sg]), offset = f16_to_f32(m[sg]);
+            for (int kk = 0; kk < GROUP; kk++)
+                out[i * k + g * GROUP + kk] = fmaf(scale, (float)weight_u(tg, bits, r, kk), offset);
+        }
+    }
+}

@@ -50,14 +50,16 @@ def test_kernel_builds_here():
     assert kernels.load() is not None, "the C kernel must build on a machine with a C compiler (CI has gcc)"
 
 
+@pytest.mark.parametrize("generic", [False, True])   # AVX-512 path (where present) and the portable loops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(9, 3, 16), (4, 4, 4), (8, 1, 1), (6, 2, 32)])
-def test_kernel_equals_exact_attention(dtype, heads, kv_heads, block_size):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16), (2, 1, 80, 16)])
+def test_kernel_equals_exact_attention(generic, dtype, heads, kv_heads, head_dim, block_size):
     lens = [1, 2, 15, 16, 17, 100, 333, 64]   # one token, block boundaries, partial last blocks
-    q, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, 64, block_size, dtype)
-    got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125)
+    q, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype)
+    got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, head_dim**-0.5, generic=generic)
     assert got.dtype == torch.float32
-    expected = exact_decode(q, cache, tables, seq_lens, block_size, 0.125)
+    expected = exact_decode(q, cache, tables, seq_lens, block_size, head_dim**-0.5)
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
 
 
@@ -105,3 +107,41 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog, tiny_gguf_mo
             LLM(str(tiny_gguf_model("llama", "Q4_1")), quantization="int4", num_kv_blocks=16)
     finally:
         _clear_kernel_caches()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("generic", [False, True])
+def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
+    """decode_rotary (rotary + cache write + attention in one C call) == apply_rotary, the layer's
+    index_copy_ cache write and the decode kernel: the same bits in the output and the cache."""
+    from tokenmill.layers.attention import AttentionMetadata
+    from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [5, 48, 200, 17]
+    _, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=5)
+    positions = seq_lens - 1
+    slots = tables[torch.arange(len(lens)), positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(query_start_loc=list(range(len(lens) + 1)), seq_lens=seq_lens.tolist(),
+                             block_tables=tables, slot_mapping=slots, seq_lens_tensor=seq_lens, block_size=block_size)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)(positions)
+
+    unfused_cache = cache.clone()
+    q, k, v = qkv.view(len(lens), -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    q = apply_rotary(q, *rope)
+    for i, t in enumerate((apply_rotary(k, *rope), v)):  # the layer's cache write
+        unfused_cache[i].view(-1, kv_heads, head_dim).index_copy_(0, slots, t.to(dtype))
+    expected = kernels.paged_decode(q, unfused_cache[0], unfused_cache[1], tables, seq_lens, head_dim**-0.5,
+                                    generic=generic).view(len(lens), -1)
+    if not generic:  # and through the layer, as the model calls it
+        layer = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
+        layer.kv_cache = cache.clone()
+        assert torch.equal(layer(q, apply_rotary(k, *rope), v, meta), expected)
+
+    fused_cache = cache.clone()
+    got = kernels.paged_decode_rotary(qkv, rope[0].view(len(lens), -1), rope[1].view(len(lens), -1), slots,
+                                      fused_cache[0], fused_cache[1], tables, seq_lens, heads, head_dim**-0.5,
+                                      generic=generic)
+    assert torch.equal(fused_cache, unfused_cache)
+    assert torch.equal(got, expected)

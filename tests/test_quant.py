@@ -143,6 +143,32 @@ def test_kernel_computes_its_formula(bits, rows, cols):
     assert torch.equal(weight.matmul(x[5:18]), y[5:18])
 
 
+@pytest.mark.parametrize("generic", [False, True])
+def test_fused_input_ops_equal_the_layers_they_stand_for(generic):
+    """silu(gate) * up, RMSNorm and the residual add inside the kernel == the PyTorch layers, then the
+    kernel (to float32 rounding: the fused ops sum in another order)."""
+    from tokenmill.layers.activation import silu_and_mul
+    from tokenmill.layers.norm import RMSNorm
+
+    q = random_block_quant(100, 96, 4, seed=11)
+    weight = QuantWeight(q, torch.float32)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.rand(96) + 0.5
+    gate_up = torch.randn(7, 192) * 3
+    residual = torch.randn(7, 100)
+
+    def run(x, **kw):
+        return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 100, 4, generic=generic, **kw)
+
+    h = norm(silu_and_mul(gate_up))
+    assert_close_rel(run(gate_up, gated=True, norm=(norm.weight, 1e-5), residual=residual),
+                     residual + run(h), 1e-5)
+    assert_close_rel(run(gate_up, gated=True), run(silu_and_mul(gate_up)), 1e-5)
+    x = torch.randn(7, 96)
+    assert_close_rel(run(x, norm=(norm.weight, 1e-5)), run(norm(x)), 1e-5)
+    assert torch.equal(run(x, residual=residual), residual + run(x))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_activation_rounding_error_is_bounded(bits):
     """|y - x W^T| <= sum_k |W[n, k]| dx[k] / 2 (each activation is within half a fine step), and in
@@ -308,9 +334,8 @@ def test_quality_bench_orders_modes(tiny_hf_model):
 def test_default_model_kept_quantized_matches_dequantized_reference(default_gguf_path):
     """SmolLM2-135M Q4_1 (+ a Q8_0 embedding / tied LM head) run quantized vs dequantized to fp32.
 
-    The kernel's activations carry ~16 bits per group of 32 (the top logits are recomputed in fp32,
-    see quant.quantized_logits): over the bundled text the quantized model stays far closer to the
-    fp32 reference than the dense model run in bf16 (mean KL 1.5e-6 vs 1.6e-3 measured). Greedy
+    The kernel's activations carry ~16 bits per group of 32 (the LM head too): over the bundled
+    text the quantized model stays far closer to the fp32 reference than the dense model run in bf16 (mean KL 1.5e-6 vs 1.6e-3 measured). Greedy
     tokens then agree unless the reference itself hesitates: a continuation may flip only where the
     reference's top two candidates are within 0.05 nats."""
     ckpt = GGUFCheckpoint(default_gguf_path)

@@ -88,15 +88,20 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-        ctypes.c_float, ctypes.c_int]
+        ctypes.c_float, ctypes.c_int, ctypes.c_int]
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = args
+        fn.restype = ctypes.c_int
+    for name in ("paged_decode_rotary_f32", "paged_decode_rotary_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 6 + args[3:]
         fn.restype = ctypes.c_int
     return lib
 
 
 _DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+MAX_ROTARY_HEAD_DIM = 512  # paged_decode_rotary's stack buffer
 
 
 def supports_paged_decode(cache: torch.Tensor) -> bool:
@@ -104,10 +109,11 @@ def supports_paged_decode(cache: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, generic: bool = False) -> torch.Tensor:
     """q [B, heads, head_dim] -> fp32 [B, heads, head_dim]; caches [blocks, block_size, kv_heads,
     head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64. Caller checks
-    supports_paged_decode(k_cache) first."""
+    supports_paged_decode(k_cache) first. `generic` runs the portable C loops (the tests' reference
+    for the AVX-512 path)."""
     lib = load()
     q = q.float().contiguous()
     block_tables = block_tables.contiguous()
@@ -119,9 +125,32 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     failed = getattr(lib, _DECODE_FN[k_cache.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size, scale,
-        torch.get_num_threads())
+        torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory for the score buffer")
+    return out
+
+
+def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, heads: int, scale: float, generic: bool = False) -> torch.Tensor:
+    """One decode step of a layer in one call: qkv [B, (heads + 2 kv_heads) * head_dim] (a fused
+    projection's output), cos/sin [B, head_dim] (RotaryEmbedding's full-width tables at each row's
+    position), slots [B]: rotates q and k, writes k and v to their cache slots, attends; returns fp32
+    [B, heads * head_dim]. The same bits as the unfused ops; caller checks supports_paged_decode."""
+    lib = load()
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    assert head_dim <= MAX_ROTARY_HEAD_DIM and k_cache.is_contiguous() and v_cache.is_contiguous()
+    qkv, cos, sin = (t.float().contiguous() for t in (qkv, cos, sin))
+    batch = qkv.shape[0]
+    out = torch.empty(batch, heads * head_dim)
+    name = _DECODE_FN[k_cache.dtype].replace("decode", "decode_rotary")
+    failed = getattr(lib, name)(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), batch, heads,
+        kv_heads, head_dim, block_size, scale, torch.get_num_threads(), int(generic))
+    if failed:
+        raise MemoryError("paged decode attention: out of memory")
     return out
 
 
@@ -135,7 +164,8 @@ def load_quant() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
+    lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_float,
+                                 ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.quant_matmul.restype = ctypes.c_int
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
     lib.quant_rows.restype = None
@@ -144,13 +174,23 @@ def load_quant() -> ctypes.CDLL | None:
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 out_features: int, bits: int, generic: bool = False) -> torch.Tensor:
-    """fp32 [M, N] = x [M, K] @ W^T, W packed by layers/quant.py; activations quantized to int8 per
-    group of 32 inside. `generic` runs the portable C path (the tests' reference for the SIMD one)."""
+                 out_features: int, bits: int, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+                 residual: torch.Tensor | None = None, generic: bool = False) -> torch.Tensor:
+    """fp32 [M, N] = f(x) @ W^T (+ residual), W packed by layers/quant.py; activations quantized inside.
+
+    f, fused into the activation pass: `gated` (x [M, 2K] = [gate | up] -> silu(gate) * up), then
+    `norm` = (weight [K], eps): RMSNorm. `generic` runs the portable C path (the tests' reference)."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], out_features)
-    if load_quant().quant_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
-                                 offsets.data_ptr(), out_features, bits, y.data_ptr(), int(generic),
+    norm_w, eps = (norm[0].float().contiguous(), norm[1]) if norm is not None else (None, 0.0)
+    if residual is not None:
+        residual = residual.float().contiguous()
+        assert residual.shape == y.shape
+    k = x.shape[1] // 2 if gated else x.shape[1]
+    if load_quant().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(),
+                                 offsets.data_ptr(), out_features, bits, int(gated),
+                                 None if norm_w is None else norm_w.data_ptr(), eps,
+                                 None if residual is None else residual.data_ptr(), y.data_ptr(), int(generic),
                                  torch.get_num_threads()):
         raise MemoryError("quantized matmul: out of memory for the activation buffer")
     return y

@@ -5,6 +5,10 @@
  * (straight from the cache: no gather, no padding to the longest request), pass 2 takes the
  * softmax and accumulates V. All arithmetic is fp32; K/V are fp32 or bf16.
  *
+ * Two implementations of the same passes: AVX-512 (head_dim a multiple of 16: 16 dims per
+ * instruction, a vectorized exp, the V sums in registers) and portable C loops (everything else,
+ * and the tests' reference; `generic` forces it).
+ *
  * Layouts (row-major, contiguous):
  *   q, out        [batch, heads, head_dim] fp32
  *   k, v          [num_blocks, block_size, kv_heads, head_dim] (one layer's cache)
@@ -23,8 +27,17 @@ static inline float load_bf16(const void *p, int64_t i) {
     return c.f;
 }
 
-#define DEFINE_PAGED_DECODE(NAME, LOAD)                                                          \
-int NAME(const float *q, const void *k, const void *v, const int64_t *block_tables,              \
+/* Token t of the task's request and the offset `row` of its (kv head kh) K/V vector in the cache,
+ * block by block (no division per token). Needs table, len, block_size, kv_heads, kh, head_dim. */
+#define FOR_EACH_TOKEN(t, row)                                                                   \
+    for (int64_t blk_ = 0, t = 0; t < len; blk_++) {                                             \
+        const int64_t base_ = table[blk_] * block_size;                                          \
+        for (int64_t s_ = 0; s_ < block_size && t < len; s_++, t++) {                            \
+            const int64_t row = ((base_ + s_) * kv_heads + kh) * head_dim;
+#define END_EACH_TOKEN }}
+
+#define DEFINE_GENERIC_DECODE(NAME, LOAD)                                                          \
+static int NAME(const float *q, const void *k, const void *v, const int64_t *block_tables,       \
          int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,   \
          int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) { \
     const int64_t group = heads / kv_heads;                                                      \
@@ -38,9 +51,7 @@ int NAME(const float *q, const void *k, const void *v, const int64_t *block_tabl
             float *oh = out + (b * heads + kh * group) * head_dim;                               \
             float *scores = malloc(sizeof(float) * (size_t)(len > 0 ? len * group : 1));         \
             if (scores == NULL) { failed = 1; continue; }                                        \
-            for (int64_t t = 0; t < len; t++) {                                                  \
-                const int64_t row = ((table[t / block_size] * block_size + t % block_size)       \
-                                     * kv_heads + kh) * head_dim;                                \
+            FOR_EACH_TOKEN(t, row) {                                                             \
                 for (int64_t g = 0; g < group; g++) {                                            \
                     const float *qg = qh + g * head_dim;                                         \
                     float s = 0.0f;                                                              \
@@ -48,7 +59,7 @@ int NAME(const float *q, const void *k, const void *v, const int64_t *block_tabl
                     for (int64_t d = 0; d < head_dim; d++) s += qg[d] * LOAD(k, row + d);       \
                     scores[g * len + t] = s * scale;                                             \
                 }                                                                                \
-            }                                                                                    \
+            } END_EACH_TOKEN                                                                     \
             for (int64_t g = 0; g < group; g++) {                                                \
                 float *sg = scores + g * len;                                                    \
                 float m = -INFINITY, total = 0.0f;                                               \
@@ -58,15 +69,108 @@ int NAME(const float *q, const void *k, const void *v, const int64_t *block_tabl
                 for (int64_t t = 0; t < len; t++) sg[t] *= inv;                                  \
                 memset(oh + g * head_dim, 0, sizeof(float) * (size_t)head_dim);                  \
             }                                                                                    \
-            for (int64_t t = 0; t < len; t++) {                                                  \
-                const int64_t row = ((table[t / block_size] * block_size + t % block_size)       \
-                                     * kv_heads + kh) * head_dim;                                \
+            FOR_EACH_TOKEN(t, row) {                                                             \
                 for (int64_t g = 0; g < group; g++) {                                            \
                     const float p = scores[g * len + t];                                         \
                     float *og = oh + g * head_dim;                                               \
                     _Pragma("omp simd")                                                          \
                     for (int64_t d = 0; d < head_dim; d++) og[d] += p * LOAD(v, row + d);        \
                 }                                                                                \
+            } END_EACH_TOKEN                                                                     \
+            free(scores);                                                                        \
+        }                                                                                        \
+    }                                                                                            \
+    return failed;                                                                               \
+}
+
+DEFINE_GENERIC_DECODE(generic_decode_f32, load_f32)
+DEFINE_GENERIC_DECODE(generic_decode_bf16, load_bf16)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#define MAX_CHUNKS 16   /* head_dim <= 256 */
+
+static inline __m512 loadv_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
+
+static inline __m512 loadv_bf16(const void *p, int64_t i) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) for x <= 0 (scores minus their max): 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor of e^r
+ * (relative error < 2e-7); inputs below -87 give 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
+}
+
+#define DEFINE_AVX512_DECODE(NAME, LOADV)                                                        \
+static int NAME(const float *q, const void *k, const void *v, const int64_t *block_tables,       \
+                int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch,          \
+                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,           \
+                float scale, int num_threads) {                                                  \
+    const int64_t group = heads / kv_heads, chunks = head_dim / 16;                              \
+    int failed = 0;                                                                              \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)")           \
+    for (int64_t b = 0; b < batch; b++) {                                                        \
+        for (int64_t kh = 0; kh < kv_heads; kh++) {                                              \
+            const int64_t len = seq_lens[b];                                                     \
+            const int64_t *table = block_tables + b * max_blocks;                                \
+            const float *qh = q + (b * heads + kh * group) * head_dim;                           \
+            float *oh = out + (b * heads + kh * group) * head_dim;                               \
+            const int64_t padded = (len + 15) / 16 * 16;                                         \
+            float *scores = aligned_alloc(64, sizeof(float) * (size_t)(padded > 0 ? padded * group : 16)); \
+            if (scores == NULL) { failed = 1; continue; }                                        \
+            FOR_EACH_TOKEN(t, row) {                                                             \
+                for (int64_t g = 0; g < group; g++) {                                            \
+                    const float *qg = qh + g * head_dim;                                         \
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), LOADV(k, row));              \
+                    for (int64_t c = 1; c < chunks; c++)                                         \
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), LOADV(k, row + 16 * c), acc); \
+                    scores[g * padded + t] = _mm512_reduce_add_ps(acc) * scale;                  \
+                }                                                                                \
+            } END_EACH_TOKEN                                                                     \
+            for (int64_t g = 0; g < group; g++) {                                                \
+                float *sg = scores + g * padded;                                                 \
+                for (int64_t t = len; t < padded; t++) sg[t] = -INFINITY;                        \
+                __m512 mv = _mm512_set1_ps(-INFINITY);                                           \
+                for (int64_t t = 0; t < padded; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sg + t)); \
+                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));                       \
+                __m512 total = _mm512_setzero_ps();                                              \
+                for (int64_t t = 0; t < padded; t += 16) {                                       \
+                    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sg + t), m));  \
+                    _mm512_store_ps(sg + t, e);                                                  \
+                    total = _mm512_add_ps(total, e);                                             \
+                }                                                                                \
+                const float sum = _mm512_reduce_add_ps(total);                                   \
+                const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);              \
+                for (int64_t t = 0; t < padded; t += 16)                                         \
+                    _mm512_store_ps(sg + t, _mm512_mul_ps(_mm512_load_ps(sg + t), inv));         \
+            }                                                                                    \
+            for (int64_t g = 0; g < group; g++) {                                                \
+                const float *sg = scores + g * padded;                                           \
+                __m512 acc[MAX_CHUNKS];                                                          \
+                for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();               \
+                FOR_EACH_TOKEN(t, row) {                                                         \
+                    const __m512 p = _mm512_set1_ps(sg[t]);                                      \
+                    for (int64_t c = 0; c < chunks; c++)                                         \
+                        acc[c] = _mm512_fmadd_ps(p, LOADV(v, row + 16 * c), acc[c]);             \
+                } END_EACH_TOKEN                                                                 \
+                for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(oh + g * head_dim + 16 * c, acc[c]); \
             }                                                                                    \
             free(scores);                                                                        \
         }                                                                                        \
@@ -74,5 +178,82 @@ int NAME(const float *q, const void *k, const void *v, const int64_t *block_tabl
     return failed;                                                                               \
 }
 
-DEFINE_PAGED_DECODE(paged_decode_f32, load_f32)
-DEFINE_PAGED_DECODE(paged_decode_bf16, load_bf16)
+DEFINE_AVX512_DECODE(avx512_decode_f32, loadv_f32)
+DEFINE_AVX512_DECODE(avx512_decode_bf16, loadv_bf16)
+#endif
+
+#ifdef HAVE_AVX512
+#define DISPATCH(SUFFIX)                                                                         \
+    (!generic && head_dim % 16 == 0 && head_dim <= 16 * MAX_CHUNKS ? avx512_decode_##SUFFIX      \
+                                                                    : generic_decode_##SUFFIX)
+#else
+#define DISPATCH(SUFFIX) generic_decode_##SUFFIX
+#endif
+
+#define DEFINE_ENTRY(NAME, SUFFIX)                                                               \
+int NAME(const float *q, const void *k, const void *v, const int64_t *block_tables,              \
+         int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,   \
+         int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads,    \
+         int generic) {                                                                          \
+    return DISPATCH(SUFFIX)(q, k, v, block_tables, max_blocks, seq_lens, out, batch, heads,      \
+                            kv_heads, head_dim, block_size, scale, num_threads);                 \
+}
+
+DEFINE_ENTRY(paged_decode_f32, f32)
+DEFINE_ENTRY(paged_decode_bf16, bf16)
+
+/* ---- decode with the rotary embedding and the cache write fused in ----
+ * qkv [batch, (heads + 2 kv_heads) * head_dim] fp32 (the fused projection: q heads, k heads, v
+ * heads), cos/sin [batch, head_dim] (full-width tables, sin negated on the first half: the
+ * rotate-half rotation is x cos + roll(x, head_dim / 2) sin, rounded as PyTorch rounds it), slots
+ * [batch]: each request's new K/V are rotated (K) and written to its slot, then it attends. The
+ * same bits as rotating in PyTorch, writing with index_copy_ and calling paged_decode_*. */
+
+static inline void store_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
+
+static inline void store_bf16(void *p, int64_t i, float x) {   /* round to nearest even, as torch */
+    union { float f; uint32_t u; } c = {x};
+    ((uint16_t *)p)[i] = isnan(x) ? (uint16_t)0x7fc0 : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline void rotate(const float *x, const float *cos, const float *sin, int64_t d, float *out) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        const float a = x[i] * cos[i], b = x[(i + half) % d] * sin[i];
+        out[i] = a + b;
+    }
+}
+
+#define DEFINE_ROTARY_ENTRY(NAME, SUFFIX, STORE)                                                   \
+int NAME(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,    \
+         void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,       \
+         float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,            \
+         int64_t block_size, float scale, int num_threads, int generic) {                         \
+    const int64_t width = (heads + 2 * kv_heads) * head_dim;                                     \
+    float *q = malloc(sizeof(float) * (size_t)(batch * heads * head_dim));                       \
+    if (q == NULL) return 1;                                                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (batch > 1)")         \
+    for (int64_t b = 0; b < batch; b++) {                                                        \
+        const float *row = qkv + b * width, *c = cos + b * head_dim, *s = sin + b * head_dim;   \
+        float rotated[512];                                                                      \
+        for (int64_t h = 0; h < heads; h++)                                                      \
+            rotate(row + h * head_dim, c, s, head_dim, q + (b * heads + h) * head_dim);          \
+        for (int64_t kh = 0; kh < kv_heads; kh++) {                                              \
+            const int64_t dst = (slots[b] * kv_heads + kh) * head_dim;                           \
+            const float *vh = row + (heads + kv_heads + kh) * head_dim;                          \
+            rotate(row + (heads + kh) * head_dim, c, s, head_dim, rotated);                      \
+            for (int64_t i = 0; i < head_dim; i++) {                                             \
+                STORE(k, dst + i, rotated[i]);                                                   \
+                STORE(v, dst + i, vh[i]);                                                        \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    const int failed = DISPATCH(SUFFIX)(q, k, v, block_tables, max_blocks, seq_lens, out, batch, \
+                                        heads, kv_heads, head_dim, block_size, scale,            \
+                                        num_threads);                                            \
+    free(q);                                                                                     \
+    return failed;                                                                               \
+}
+
+DEFINE_ROTARY_ENTRY(paged_decode_rotary_f32, f32, store_f32)
+DEFINE_ROTARY_ENTRY(paged_decode_rotary_bf16, bf16, store_bf16)

@@ -74,6 +74,27 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
     }
 }
 
+/* ---- the fused input ops: a row of the layer's input before it is quantized ----
+ * gated: the row is a fused [gate | up] projection of 2k values -> silu(gate) * up (SwiGLU);
+ * norm_w: RMSNorm with weight norm_w -> x / sqrt(mean(x^2) + eps) * norm_w (float32 throughout). */
+
+static const float *prepare_row(const float *x, int64_t k, int gated, const float *norm_w, float eps,
+                                float *tmp) {
+    const float *src = x;
+    if (gated) {
+        for (int64_t i = 0; i < k; i++) tmp[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
+        src = tmp;
+    }
+    if (norm_w != NULL) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < k; i++) ss += src[i] * src[i];
+        const float r = 1.0f / sqrtf(ss / (float)k + eps);
+        for (int64_t i = 0; i < k; i++) tmp[i] = src[i] * r * norm_w[i];
+        src = tmp;
+    }
+    return src;
+}
+
 /* ---- the unsigned value of (row r, input k) of a tile-group, from the packed bytes ---- */
 
 static inline int weight_u(const uint8_t *tg, int bits, int r, int k) {
@@ -86,7 +107,7 @@ static inline int weight_u(const uint8_t *tg, int bits, int r, int k) {
 /* Reference (portable C) tile kernel: rows [16t, 16t + nrows) of y for `mb` activation rows. */
 static void tile_generic(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits, int64_t t,
                          int64_t groups, const int8_t *q, const float *dx, const float *bx, int64_t k,
-                         int64_t mb, float *y, int64_t ldy, int nrows) {
+                         const float *res, float *y, int64_t mb, int64_t ldy, int nrows) {
     const int64_t gbytes = bits * GROUP * TILE / 8;
     for (int64_t i = 0; i < mb; i++) {
         float acc[TILE] = {0};
@@ -105,7 +126,7 @@ static void tile_generic(const uint8_t *w, const uint16_t *d, const uint16_t *m,
                 acc[r] = fmaf(f16_to_f32(m[sg]), bx[i * groups + g], acc[r]);
             }
         }
-        for (int r = 0; r < nrows; r++) y[i * ldy + r] = acc[r];
+        for (int r = 0; r < nrows; r++) y[i * ldy + r] = res != NULL ? acc[r] + res[i * ldy + r] : acc[r];
     }
 }
 
@@ -115,7 +136,8 @@ static void tile_generic(const uint8_t *w, const uint16_t *d, const uint16_t *m,
 #define DEFINE_TILE_VNNI(MB)                                                                        \
 static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits,        \
                            int64_t t, int64_t groups, const int8_t *q, const float *dx,             \
-                           const float *bx, int64_t k, float *y, int64_t ldy, int nrows) {          \
+                           const float *bx, int64_t k, const float *res, float *y, int64_t ldy,     \
+                           int nrows) {                                                             \
     const int64_t gbytes = bits * GROUP * TILE / 8;                                                 \
     const __m512i low = _mm512_set1_epi8(15);                                                       \
     __m512 acc[MB];                                                                                 \
@@ -153,7 +175,10 @@ static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *
         }                                                                                           \
     }                                                                                               \
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);                                          \
-    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);                  \
+    for (int i = 0; i < MB; i++) {                                                                  \
+        if (res != NULL) acc[i] = _mm512_add_ps(acc[i], _mm512_maskz_loadu_ps(mask, res + i * ldy));  \
+        _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);                                           \
+    }                                                                                               \
 }
 DEFINE_TILE_VNNI(1)
 DEFINE_TILE_VNNI(2)
@@ -163,24 +188,30 @@ DEFINE_TILE_VNNI(8)
 
 #define MBLOCK 8
 
-/* y [M, N] fp32 = x [M, K] fp32 @ W^T. K is a multiple of 32; W has ceil(N / 16) tiles.
- * generic = 1 forces the portable path (the reference the tests hold the SIMD path to).
+/* y [M, N] fp32 = f(x) @ W^T (+ residual [M, N] when not NULL), f the fused input ops of
+ * prepare_row (x is [M, 2K] when gated, else [M, K]). K is a multiple of 32; W has ceil(N / 16)
+ * tiles. generic = 1 forces the portable path (the reference the tests hold the SIMD path to).
  * Returns 1 if out of memory. */
 int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
-                 const uint16_t *m, int64_t n, int bits, float *y, int generic, int num_threads) {
-    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+                 const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
+                 const float *residual, float *y, int generic, int num_threads) {
+    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
+    const int fused = gated || norm_w != NULL;
     int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
     float *dx = malloc(sizeof(float) * (size_t)(mrows * groups));
     float *bx = malloc(sizeof(float) * (size_t)(mrows * groups));
-    if (q == NULL || dx == NULL || bx == NULL) {
-        free(q); free(dx); free(bx);
+    float *tmp = fused ? malloc(sizeof(float) * (size_t)(mrows * k)) : NULL;
+    if (q == NULL || dx == NULL || bx == NULL || (fused && tmp == NULL)) {
+        free(q); free(dx); free(bx); free(tmp);
         return 1;
     }
     #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
     {
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < mrows; i++)
-            quantize_row(x + i * k, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups);
+        for (int64_t i = 0; i < mrows; i++) {
+            const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0));
+            quantize_row(row, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups);
+        }
         const int64_t mblocks = (mrows + MBLOCK - 1) / MBLOCK;
         #pragma omp for collapse(2) schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
@@ -188,27 +219,22 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                 const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
                 int64_t i = b * MBLOCK;
                 const int64_t end = i + MBLOCK < mrows ? i + MBLOCK : mrows;
-                if (generic) {
-                    tile_generic(w, d, m, bits, t, groups, q + 2 * i * k, dx + i * groups, bx + i * groups, k,
-                                 end - i, y + i * n + t * TILE, n, nrows);
-                    continue;
-                }
+#define ARGS(i) w, d, m, bits, t, groups, q + 2 * (i) * k, dx + (i) * groups, bx + (i) * groups, k, \
+                residual != NULL ? residual + (i) * n + t * TILE : NULL, y + (i) * n + t * TILE
 #ifdef HAVE_VNNI
-#define RUN(MB) tile_vnni_##MB(w, d, m, bits, t, groups, q + 2 * i * k, dx + i * groups, bx + i * groups, k, \
-                               y + i * n + t * TILE, n, nrows)
-                for (; end - i >= 8; i += 8) RUN(8);
-                for (; end - i >= 4; i += 4) RUN(4);
-                for (; end - i >= 2; i += 2) RUN(2);
-                for (; end - i >= 1; i += 1) RUN(1);
-#undef RUN
-#else
-                tile_generic(w, d, m, bits, t, groups, q + 2 * i * k, dx + i * groups, bx + i * groups, k,
-                             end - i, y + i * n + t * TILE, n, nrows);
+                if (!generic) {
+                    for (; end - i >= 8; i += 8) tile_vnni_8(ARGS(i), n, nrows);
+                    for (; end - i >= 4; i += 4) tile_vnni_4(ARGS(i), n, nrows);
+                    for (; end - i >= 2; i += 2) tile_vnni_2(ARGS(i), n, nrows);
+                    for (; end - i >= 1; i += 1) tile_vnni_1(ARGS(i), n, nrows);
+                }
 #endif
+                if (i < end) tile_generic(ARGS(i), end - i, n, nrows);
+#undef ARGS
             }
         }
     }
-    free(q); free(dx); free(bx);
+    free(q); free(dx); free(bx); free(tmp);
     return 0;
 }
 

@@ -88,6 +88,21 @@ class Attention(nn.Module):
             self._varlen(q, k_cache, v_cache, meta, multi, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
+    def fuses_rotary_decode(self, meta: AttentionMetadata) -> bool:
+        """Can this step run as one `decode_rotary` call (decode-only step, C kernel backend)?"""
+        return (meta.is_decode_only and self.backend == "auto" and self.kv_cache is not None
+                and self.head_dim <= kernels.MAX_ROTARY_HEAD_DIM and kernels.supports_paged_decode(self.kv_cache))
+
+    def decode_rotary(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step from the unrotated fused q/k/v projection [T, (heads + 2 kv_heads) *
+        head_dim]: rotary, cache write and attention in one C call (see fuses_rotary_decode); the
+        same result as rotating, then forward()."""
+        cos, sin = (t.reshape(qkv.shape[0], self.head_dim) for t in rope)
+        out = kernels.paged_decode_rotary(qkv, cos, sin, meta.slot_mapping, self.kv_cache[0], self.kv_cache[1],
+                                          meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale)
+        return out.to(qkv.dtype)
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
         """One query per request -> [B, heads, head_dim]."""

@@ -14,7 +14,6 @@ from torch import nn
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig, rope_scaling_from_hf
 from tokenmill.errors import CheckpointError, UnsupportedModelError
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Embedding, Linear
 from tokenmill.layers.norm import RMSNorm
@@ -67,16 +66,20 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                norm: RMSNorm) -> torch.Tensor:
+        """x + attention(norm(x))."""
+        qkv = self.qkv_proj(x, norm=norm)
+        if self.q_norm is None and self.attn.fuses_rotary_decode(meta):
+            return self.o_proj(self.attn.decode_rotary(qkv, rope, meta), residual=x)
+        qkv = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = apply_rotary(qk, *rope)  # q and k heads rotated in one call
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta), residual=x)
 
 
 class LlamaMLP(nn.Module):
@@ -85,8 +88,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size])
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + SwiGLU(norm(x))."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm), gated=True, residual=x)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,8 +103,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the norms and residual adds run inside the projections (fused by quantized weights)
+        x = self.self_attn(x, rope, meta, self.input_layernorm)
+        return self.mlp(x, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

@@ -36,19 +36,27 @@ static inline float load_bf16(const void *p, int64_t i) {
             const int64_t row = ((base_ + s_) * kv_heads + kh) * head_dim;
 #define END_EACH_TOKEN }}
 
-#define DEFINE_GENERIC_DECODE(NAME, LOAD)                                                          \
+#define DECODE_FN(NAME)                                                                          \
 static int NAME(const float *q, const void *k, const void *v, const int64_t *block_tables,       \
-         int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,   \
-         int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) { \
-    const int64_t group = heads / kv_heads;                                                      \
-    int failed = 0;                                                                              \
+                int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch,          \
+                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,           \
+                float scale, int num_threads)
+
+/* The (request b, kv head kh) tasks in parallel, each with its len, block table, q and out heads. */
+#define FOR_EACH_TASK                                                                            \
     _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)")           \
     for (int64_t b = 0; b < batch; b++) {                                                        \
         for (int64_t kh = 0; kh < kv_heads; kh++) {                                              \
             const int64_t len = seq_lens[b];                                                     \
             const int64_t *table = block_tables + b * max_blocks;                                \
             const float *qh = q + (b * heads + kh * group) * head_dim;                           \
-            float *oh = out + (b * heads + kh * group) * head_dim;                               \
+            float *oh = out + (b * heads + kh * group) * head_dim;
+
+#define DEFINE_GENERIC_DECODE(NAME, LOAD)                                                          \
+DECODE_FN(NAME) {                                                                                \
+    const int64_t group = heads / kv_heads;                                                      \
+    int failed = 0;                                                                              \
+    FOR_EACH_TASK                                                                                \
             float *scores = malloc(sizeof(float) * (size_t)(len > 0 ? len * group : 1));         \
             if (scores == NULL) { failed = 1; continue; }                                        \
             FOR_EACH_TOKEN(t, row) {                                                             \
@@ -119,19 +127,10 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 
 #define DEFINE_AVX512_DECODE(NAME, LOADV)                                                        \
-static int NAME(const float *q, const void *k, const void *v, const int64_t *block_tables,       \
-                int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch,          \
-                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,           \
-                float scale, int num_threads) {                                                  \
+DECODE_FN(NAME) {                                                                                \
     const int64_t group = heads / kv_heads, chunks = head_dim / 16;                              \
     int failed = 0;                                                                              \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)")           \
-    for (int64_t b = 0; b < batch; b++) {                                                        \
-        for (int64_t kh = 0; kh < kv_heads; kh++) {                                              \
-            const int64_t len = seq_lens[b];                                                     \
-            const int64_t *table = block_tables + b * max_blocks;                                \
-            const float *qh = q + (b * heads + kh * group) * head_dim;                           \
-            float *oh = out + (b * heads + kh * group) * head_dim;                               \
+    FOR_EACH_TASK                                                                                \
             const int64_t padded = (len + 15) / 16 * 16;                                         \
             float *scores = aligned_alloc(64, sizeof(float) * (size_t)(padded > 0 ? padded * group : 16)); \
             if (scores == NULL) { failed = 1; continue; }                                        \

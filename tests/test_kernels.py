@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from engine_helpers import greedy, make_engine
+from engine_helpers import greedy, make_engine, prefill_logits
 
 from tokenmill import LLM, SamplingParams, kernels
 from tokenmill.errors import TokenmillError
@@ -53,7 +53,8 @@ def test_kernel_builds_here():
 @pytest.mark.parametrize("generic", [False, True])   # AVX-512 path (where present) and the portable loops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16), (2, 1, 80, 16)])
+                         [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16),
+                          (2, 1, 80, 16)])
 def test_kernel_equals_exact_attention(generic, dtype, heads, kv_heads, head_dim, block_size):
     lens = [1, 2, 15, 16, 17, 100, 333, 64]   # one token, block boundaries, partial last blocks
     q, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype)
@@ -145,3 +146,41 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
                                       generic=generic)
     assert torch.equal(fused_cache, unfused_cache)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(("kind", "ftype"), [("llama", "Q4_1"), ("smollm", "Q8_0")])
+def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype):
+    """kernels.decode_stack (every layer of a decode step in one C call) makes the same kernel calls as
+    the per-layer Python loop: the same logprobs, bit for bit, over a generation with several requests."""
+    path = str(tiny_gguf_model(kind, ftype))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
+    results = {}
+    for use_stack in (True, False):
+        llm = LLM(path, num_kv_blocks=64, block_size=4)
+        model = llm.engine.model.model
+        model.use_decode_stack = use_stack
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[use_stack] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                              for o in outputs]
+        assert isinstance(model._plan, kernels.StackPlan) == use_stack
+    assert results[True] == results[False]
+
+
+def test_bf16_kv_cache_on_a_float32_model(tiny_hf_model):
+    """kv_cache_dtype="bfloat16": half the bytes per token; the C kernel and the PyTorch reference read
+    the same bf16 cache and give the same tokens, and the prefill logits stay within bf16 rounding of K/V
+    of the float32-cache model."""
+    path = tiny_hf_model("llama")
+    fp32 = make_engine(path, block_size=4)
+    engines = {backend: make_engine(path, block_size=4, kv_cache_dtype="bfloat16", attention_backend=backend)
+               for backend in ("auto", "torch")}
+    assert engines["auto"].kv_caches[0].dtype == torch.bfloat16 and fp32.kv_caches[0].dtype == torch.float32
+    assert engines["auto"].kv_caches[0].element_size() * 2 == fp32.kv_caches[0].element_size()
+    prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
+    assert greedy(engines["auto"], prompts, 16) == greedy(engines["torch"], prompts, 16)
+    ids = list(range(5, 60))
+    exact, rounded = prefill_logits(fp32, ids), prefill_logits(engines["auto"], ids)
+    assert (rounded - exact).abs().max() < 0.05 * exact.abs().max()
+    with pytest.raises(TokenmillError, match="kv_cache_dtype"):
+        make_engine(path, kv_cache_dtype="int8")

@@ -335,9 +335,10 @@ def test_default_model_kept_quantized_matches_dequantized_reference(default_gguf
     """SmolLM2-135M Q4_1 (+ a Q8_0 embedding / tied LM head) run quantized vs dequantized to fp32.
 
     The kernel's activations carry ~16 bits per group of 32 (the LM head too): over the bundled
-    text the quantized model stays far closer to the fp32 reference than the dense model run in bf16 (mean KL 1.5e-6 vs 1.6e-3 measured). Greedy
-    tokens then agree unless the reference itself hesitates: a continuation may flip only where the
-    reference's top two candidates are within 0.05 nats."""
+    text the quantized model stays far closer to the fp32 reference than the dense model run in
+    bf16 (mean KL 1.5e-6 vs 1.6e-3 measured). Greedy tokens then agree unless the reference itself
+    hesitates: a continuation may flip only where the reference's top two candidates are within
+    0.05 nats."""
     ckpt = GGUFCheckpoint(default_gguf_path)
     assert {ckpt.tensor_type(n) for n in ckpt.tensor_names()} == {"F32", "Q4_1", "Q8_0"}
     quantized = LLM(str(default_gguf_path), num_kv_blocks=64, dtype="float32")

@@ -40,6 +40,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
                    help="auto: the C decode-attention kernel on CPU where it builds; torch: the plain PyTorch "
                    "reference")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache element type (auto: the model's dtype); bfloat16 halves the cache's memory "
+                   "and the bytes decode attention reads")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
                    help="default: GGUF quantized weights run quantized (CPU); none: dequantize everything; "
                    "int8 | int4: also quantize dense (float) weights at load")
@@ -62,13 +65,14 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the engine flags every command shares."""
     return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-                quantization=args.quantization, show_progress=True)
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, show_progress=True)
 
 
 def _sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:
@@ -85,7 +89,7 @@ def _load(args: argparse.Namespace) -> tuple[LLM, SamplingParams]:
     """Check the sampling flags (fast), load the model (slow), then resolve the sampling params."""
     _sampling_params(args, SamplingParams())
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
     return llm, _sampling_params(args, llm.get_default_sampling_params())
 
 
@@ -147,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.command import serve
 
-    return serve(args, _engine_kwargs(args))
+    return serve(args, engine_kwargs(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -159,6 +159,7 @@ ATTENTION_BACKENDS = ("auto", "torch")
 
 
 QUANTIZATION_MODES = (None, "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -180,6 +181,7 @@ class EngineConfig:
     show_progress: bool = False            # progress bars while loading
     quantization: str | None = None        # None: GGUF quantized weights run quantized (CPU) | "none": all
     #                                        dequantized | "int8" | "int4": dense weights quantized too
+    kv_cache_dtype: str = "auto"           # auto (the model's dtype) | float32 | bfloat16
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -190,6 +192,8 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise TokenmillError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
                                  f"{', '.join(ATTENTION_BACKENDS)}")

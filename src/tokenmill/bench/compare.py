@@ -342,7 +342,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.bench import peers
     from tokenmill.bench import serve as bench_serve
     from tokenmill.bench.throughput import _check_range, _timed_run, make_lengths, make_prompts
-    from tokenmill.cli import _engine_kwargs
+    from tokenmill.cli import engine_kwargs
     from tokenmill.errors import TokenmillError
     from tokenmill.llm import default_model_path
     from tokenmill.tokenizer import load_tokenizer
@@ -385,7 +385,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     ctx_per_slot = _round_up(input_range[1] + output_range[1] + 16, 256)
     slots = max(levels) if levels else 1
 
-    engine_args = {**_engine_kwargs(args), "show_progress": False}
+    engine_args = {**engine_kwargs(args), "show_progress": False}
     if engine_args["num_kv_blocks"] is None and engine_args["kv_cache_memory"] is None:
         # the same KV capacity as llama.cpp's context (the default pool, up to 4 GiB, would count in RSS)
         engine_args["num_kv_blocks"] = batch1_ctx // args.block_size + 1

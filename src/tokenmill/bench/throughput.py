@@ -273,14 +273,6 @@ def _load_average() -> float | None:
 
 # ---- the command -------------------------------------------------------------------------------
 
-def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer,
-                enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-                attention_backend=args.attention_backend, show_progress=False)
-
-
 def _check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
     from tokenmill.errors import TokenmillError
 
@@ -291,6 +283,7 @@ def _check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
 
 
 def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.cli import engine_kwargs
     from tokenmill.errors import TokenmillError
     from tokenmill.llm import default_model_path
     from tokenmill.tokenizer import load_tokenizer
@@ -318,7 +311,8 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     peer_n = min(args.peer_num_requests, args.num_requests)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_ids or [0])[0]
     cfg: dict[str, Any] = {
-        "model": model, "engine_args": _engine_args(args), "num_requests": args.num_requests, "seed": args.seed,
+        "model": model, "engine_args": {**engine_kwargs(args), "show_progress": False},
+        "num_requests": args.num_requests, "seed": args.seed,
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "input_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
         "peer": not args.no_peer, "peer_num_requests": peer_n, "hf_batch_sizes": args.hf_batch_size,

@@ -70,7 +70,9 @@ class LLMEngine:
                                                    config.quantization)
         self.eos_token_ids = eos_token_ids
         mc: ModelConfig = self.model_config
-        per_token = kv_bytes_per_token(mc, self.dtype)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype,
+                                                                                         self.device)
+        per_token = kv_bytes_per_token(mc, self.kv_dtype)
         block_bytes = per_token * config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -86,7 +88,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
-        self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device,
                                   config.attention_backend)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -94,9 +96,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("memory plan: weights %.1f MiB (%s); KV cache %d B/token x %d blocks of %d tokens = %d tokens "
-                    "(%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
-                    weight_bytes / 2**20, self.dtype, per_token, num_blocks, config.block_size, capacity,
+        logger.info("memory plan: weights %.1f MiB (%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
+                    "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
+                    weight_bytes / 2**20, self.dtype, self.kv_dtype, per_token, num_blocks, config.block_size, capacity,
                     num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -3,8 +3,10 @@
 - paged_attention.c: single-query (decode) attention straight from the paged KV cache.
 - quant_matmul.c: x W^T for weights in 4/8-bit groups of 32 with int8 activations (VNNI), and
   row dequantization of the same layout (layers/quant.py packs the weights).
+- kernels.c: includes both (one library) and adds decode_stack, a Llama decoder stack's decode
+  step as one call.
 
-The C sources ship with the package; each is compiled once per machine with the system's C compiler
+The C sources ship with the package; they are compiled once per machine with the system's C compiler
 (`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
 The build links OpenMP by soname, so at run time it shares the runtime PyTorch already loaded (one
 thread pool, not two). Without a compiler the callers fall back to their PyTorch path: `load()`
@@ -21,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -48,18 +51,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(compiler: str, source_path: Path) -> Path:
-    source = source_path.read_bytes()
+_DIR = Path(__file__).parent
+
+
+def _compile(compiler: str) -> Path:
+    sources = b"\0".join(p.read_bytes() for p in sorted(_DIR.glob("*.c")))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"{source_path.stem}-{key}.so"
+    target = _cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *_FLAGS, str(_DIR / "kernels.c"), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
@@ -67,24 +73,27 @@ def _compile(compiler: str, source_path: Path) -> Path:
     return target
 
 
+_FALLBACK = "decode attention uses the slower PyTorch path and quantized weights are dequantized at load"
+
+
 @cache
-def _library(name: str, fallback: str) -> ctypes.CDLL | None:
-    """kernels/{name}.c compiled and loaded, or None (logged once, naming `fallback`)."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) if they cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: %s", fallback)
+        logger.warning("no C compiler found: %s", _FALLBACK)
         return None
     try:
-        return ctypes.CDLL(str(_compile(compiler, Path(__file__).with_name(f"{name}.c"))))
+        return ctypes.CDLL(str(_compile(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("could not build the C kernel %s (%s): %s", name, e, fallback)
+        logger.warning("could not build the C kernels (%s): %s", e, _FALLBACK)
         return None
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled decode-attention library, or None (logged once) if it cannot be built here."""
-    lib = _library("paged_attention", "decode attention uses the slower PyTorch path")
+    lib = _library()
     if lib is None:
         return None
     args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
@@ -160,7 +169,7 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 @cache
 def load_quant() -> ctypes.CDLL | None:
     """The compiled quantized-matmul library, or None (logged once) if it cannot be built here."""
-    lib = _library("quant_matmul", "quantized weights are dequantized at load")
+    lib = _library()
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -170,6 +179,10 @@ def load_quant() -> ctypes.CDLL | None:
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = ctypes.c_int
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.decode_stack.argtypes = [i64, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, ptr, ptr, ptr, i64, ptr, i64, f32,
+                                                                    ctypes.c_int, ctypes.c_int]
+    lib.decode_stack.restype = ctypes.c_int
     return lib
 
 
@@ -204,3 +217,46 @@ def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     load_quant().quant_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), in_features, bits,
                             ids.data_ptr(), ids.numel(), out.data_ptr())
     return out
+
+
+# ---------------------------------------------------------------------------------- decode stack
+
+
+@dataclass
+class StackPlan:
+    """What decode_stack needs of a Llama model besides the step's inputs: per layer the 16 pointers
+    of kernels.c's enum (packed weights, scales, offsets of qkv / o / gate_up / down, the two RMSNorm
+    weights, the K and V caches) and the four projections' bits. Holds the tensors it points into."""
+
+    tensors: list[torch.Tensor]
+    bits: list[int]
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    block_size: int
+    kv_bf16: bool
+
+    def __post_init__(self) -> None:
+        self._ptrs = (ctypes.c_void_p * len(self.tensors))(*(t.data_ptr() for t in self.tensors))
+        self._bits = (ctypes.c_int * len(self.bits))(*self.bits)
+        self.layers = len(self.bits) // 4
+
+
+def decode_stack(plan: StackPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """A decode step through every layer of `plan`: x [B, hidden] fp32 (a new tensor is returned),
+    cos/sin [B, head_dim] (full-width rotary tables at each row's position), slots [B]."""
+    lib = _library()
+    x = x.float().contiguous().clone()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if lib.decode_stack(plan.layers, plan._ptrs, plan._bits, x.data_ptr(), x.shape[0], plan.hidden,
+                        plan.intermediate, plan.heads, plan.kv_heads, plan.head_dim, plan.eps, cos.data_ptr(),
+                        sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                        seq_lens.data_ptr(), plan.block_size, plan.scale, int(plan.kv_bf16),
+                        torch.get_num_threads()):
+        raise MemoryError("decode stack: out of memory")
+    return x

@@ -94,9 +94,9 @@ DECODE_FN(NAME) {                                                               
 DEFINE_GENERIC_DECODE(generic_decode_f32, load_f32)
 DEFINE_GENERIC_DECODE(generic_decode_bf16, load_bf16)
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
+#include "simd.h"
+
+#ifdef HAVE_AVX512
 #define MAX_CHUNKS 16   /* head_dim <= 256 */
 
 static inline __m512 loadv_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
@@ -106,24 +106,10 @@ static inline __m512 loadv_bf16(const void *p, int64_t i) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* exp(x) for x <= 0 (scores minus their max): 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor of e^r
- * (relative error < 2e-7); inputs below -87 give 0. */
+/* exp(x) for x <= 0 (scores minus their max); below -87, 0. */
 static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    return _mm512_maskz_mov_ps((__mmask16)~under, exp512(x));
 }
 
 #define DEFINE_AVX512_DECODE(NAME, LOADV)                                                        \

@@ -55,7 +55,7 @@ _DIR = Path(__file__).parent
 
 
 def _compile(compiler: str) -> Path:
-    sources = b"\0".join(p.read_bytes() for p in sorted(_DIR.glob("*.c")))
+    sources = b"\0".join(p.read_bytes() for p in sorted([*_DIR.glob("*.c"), *_DIR.glob("*.h")]))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]

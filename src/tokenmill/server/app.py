@@ -15,6 +15,7 @@ naming it. With an API key set, every /v1 route needs `Authorization: Bearer <ke
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -34,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.errors import TokenmillError
 from tokenmill.llm import LLM
 from tokenmill.server import serving
-from tokenmill.server.async_engine import AsyncEngine
+from tokenmill.server.async_engine import AsyncEngine, engine_thread
 from tokenmill.server.command import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
@@ -77,10 +78,12 @@ class ServerState:
 
     async def load(self) -> None:
         try:
+            executor = engine_thread()
             if self.llm is None:
                 logger.info("loading %s ...", self.config.model)
-                self.llm = await asyncio.to_thread(LLM, self.config.model, **self.config.engine_args)
-            engine = AsyncEngine(self.llm, self.config.max_queued_requests, self.metrics)
+                self.llm = await asyncio.get_running_loop().run_in_executor(
+                    executor, functools.partial(LLM, self.config.model, **self.config.engine_args))
+            engine = AsyncEngine(self.llm, self.config.max_queued_requests, self.metrics, executor)
             engine.start()
             self.engine = engine
             logger.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)

@@ -75,7 +75,8 @@ class LLM:
 
     # ---- prompts ------------------------------------------------------------------------------
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or as token ids (validated)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise TokenmillError("prompt: must not be empty")
@@ -84,7 +85,8 @@ class LLM:
             return None, list(prompt)
         raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: Messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The chat template applied to `messages`: (text, token ids)."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         # The template may already start with BOS; add it only if it does not (as llama.cpp does).
         bos = self.tokenizer.bos_token_id
@@ -103,7 +105,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise TokenmillError(f"prompts: expected a string, a list of strings, a list of token ids or a list of "
                                  f"lists of token ids, got {type(prompts).__name__}")
-        tokenized = [self._tokenize(p) for p in prompts]
+        tokenized = [self.tokenize_prompt(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
@@ -115,7 +117,7 @@ class LLM:
         if not isinstance(conversations, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in conversations):
             raise TokenmillError("messages: expected a list of {'role', 'content'} dicts or a list of such lists, "
                                  f"got {messages!r:.80}")
-        tokenized = [self._chat_prompt(list(c), add_generation_prompt) for c in conversations]
+        tokenized = [self.chat_prompt(list(c), add_generation_prompt) for c in conversations]
         return self._run(tokenized, sampling_params, use_tqdm)
 
     def _run(self, tokenized: list[tuple[str | None, list[int]]],
@@ -172,20 +174,20 @@ class LLM:
             raise TokenmillError("stream(): pass exactly one of prompt or messages")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TokenmillError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
-        text, token_ids = self._tokenize(prompt) if messages is None else self._chat_prompt(messages, True)
+        text, token_ids = self.tokenize_prompt(prompt) if messages is None else self.chat_prompt(messages, True)
         request_id = str(next(self._ids))
         self._processor.add_request(request_id, text, token_ids, sampling_params or self.get_default_sampling_params())
         try:
             while True:
                 for out in self._processor.process(self.engine.step()):
-                    yield _snapshot(out)
+                    yield snapshot_output(out)
                     if out.finished:
                         return
         finally:
             self._processor.abort(request_id)
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
+def snapshot_output(out: RequestOutput) -> RequestOutput:
     """A copy of `out` that later steps leave alone (the output processor updates `out` in place),
     so a caller can keep each streamed output."""
     return dataclasses.replace(out, outputs=[

@@ -255,7 +255,7 @@ def _drive(base_url: str, prompts: list[list[int]], output_lens: list[int], conc
     from tokenmill.bench import serve as bench_serve
 
     model = bench_serve.served_model(base_url, None)
-    results, elapsed = asyncio.run(bench_serve._run_level(base_url, model, prompts, output_lens, concurrency, None,
+    results, elapsed = asyncio.run(bench_serve.run_level(base_url, model, prompts, output_lens, concurrency, None,
                                                           seed, None, timeout))
     return bench_serve.summarize(results, elapsed)
 
@@ -293,9 +293,9 @@ def _static_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    from tokenmill.bench.throughput import _run_transformers
+    from tokenmill.bench.throughput import run_transformers
 
-    return {**_run_transformers(cfg), "peak_rss_mib": _peak_rss_mib()}
+    return {**run_transformers(cfg), "peak_rss_mib": _peak_rss_mib()}
 
 
 # ---- the command ----------------------------------------------------------------------------------------
@@ -341,15 +341,15 @@ def _round_up(n: int, to: int) -> int:
 def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.bench import peers
     from tokenmill.bench import serve as bench_serve
-    from tokenmill.bench.throughput import _check_range, _timed_run, make_lengths, make_prompts
+    from tokenmill.bench.throughput import check_range, make_lengths, make_prompts, timed_run
     from tokenmill.cli import engine_kwargs
     from tokenmill.errors import TokenmillError
     from tokenmill.llm import default_model_path
     from tokenmill.tokenizer import load_tokenizer
 
     _check_args(args)
-    input_range = _check_range("--input-len-range", args.input_len_range)
-    output_range = _check_range("--output-len-range", args.output_len_range)
+    input_range = check_range("--input-len-range", args.input_len_range)
+    output_range = check_range("--output-len-range", args.output_len_range)
     model = args.model or default_model_path()
     if not Path(model).is_file() or not model.endswith(".gguf"):
         raise TokenmillError(f"--model: bench compare needs a .gguf file (llama.cpp runs it too), got {model!r}")
@@ -412,7 +412,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     # ---- batch 1 ----
     note_load("tokenmill batch 1")
-    results["tokenmill"]["batch1"] = _timed_run(_batch1_tokenmill, b1)
+    results["tokenmill"]["batch1"] = timed_run(_batch1_tokenmill, b1)
     dtype = results["tokenmill"]["batch1"]["dtype"]
     if "llama.cpp" in args.peers:
         if status["llama_cpp"].available:
@@ -423,7 +423,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
             results["llama.cpp"]["batch1"] = {"missing": status["llama_cpp"].detail}
     if "transformers" in args.peers:
         note_load(f"transformers batch 1 ({dtype})")
-        results["transformers"]["batch1"] = _guarded("transformers batch 1", _timed_run, _batch1_transformers,
+        results["transformers"]["batch1"] = _guarded("transformers batch 1", timed_run, _batch1_transformers,
                                                      {**b1, "dtype": dtype})
 
     # ---- concurrent load ----
@@ -469,7 +469,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results["llama.cpp"]["concurrent"] = {"missing": status["llama_server"].detail}
         if "transformers" in args.peers:
             note_load(f"transformers static batches of {levels}")
-            row = _guarded("transformers static batches", _timed_run, _static_transformers, {
+            row = _guarded("transformers static batches", timed_run, _static_transformers, {
                 "model": model, "threads": args.threads, "resolved_dtype": dtype,
                 "resolved_device": "cpu", "peer_num_requests": len(prompts), "prompts": prompts,
                 "output_lens": output_lens, "pad_token_id": pad, "hf_batch_sizes": levels})

@@ -131,7 +131,7 @@ async def _one_request(client: Any, url: str, model: str, prompt: list[int], out
     return result
 
 
-async def _run_level(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int],
+async def run_level(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int],
                      concurrency: int | None, rate: float | None, seed: int, api_key: str | None,
                      timeout: float) -> tuple[list[RequestResult], float]:
     import httpx
@@ -296,10 +296,10 @@ def start_llama_server(binary: str, model: str, slots: int, ctx_per_slot: int, e
 # ---- the command ---------------------------------------------------------------------------------
 
 def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], list[int | None]]:
-    from tokenmill.bench.throughput import _check_range
+    from tokenmill.bench.throughput import check_range
 
-    input_range = _check_range("--input-len-range", args.input_len_range)
-    output_range = _check_range("--output-len-range", args.output_len_range)
+    input_range = check_range("--input-len-range", args.input_len_range)
+    output_range = check_range("--output-len-range", args.output_len_range)
     if args.num_requests < 1:
         raise TokenmillError(f"--num-requests: must be >= 1, got {args.num_requests}")
     if args.request_rate is not None and not args.request_rate > 0:
@@ -365,13 +365,13 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                 wait_ready(base_url, process, SERVER_START_TIMEOUT_S)
             ready_s = time.perf_counter() - t0
             served = served_model(base_url, api_key)
-            asyncio.run(_run_level(base_url, served, [warmup], [4], 1, None, args.seed, api_key, args.timeout))
+            asyncio.run(run_level(base_url, served, [warmup], [4], 1, None, args.seed, api_key, args.timeout))
             for level, level_prompts in zip(levels, prompt_sets, strict=True):
                 label = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {level}"
                 if args.request_rate and level is not None:
                     label += f" (cap {level})"
                 print(f"  {name}: {label} ...", flush=True)
-                results, elapsed = asyncio.run(_run_level(base_url, served, level_prompts, output_lens, level,
+                results, elapsed = asyncio.run(run_level(base_url, served, level_prompts, output_lens, level,
                                                           args.request_rate, args.seed, api_key, args.timeout))
                 rows.append({"target": name, "base_url": base_url, "served_model": served, "level": label,
                              "concurrency": level, "request_rate": args.request_rate,

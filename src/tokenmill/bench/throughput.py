@@ -212,7 +212,7 @@ def _run_tokenmill(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, An
     }
 
 
-def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
+def run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -254,7 +254,7 @@ def _run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
             "per_batch_size": per_batch_size, "peak_rss_mib": peak_rss_mib()}
 
 
-def _timed_run(fn, *args: Any) -> dict[str, Any]:
+def timed_run(fn, *args: Any) -> dict[str, Any]:
     """Run fn(*args) in a fresh spawned process (a worker that dies raises instead of hanging);
     its row also records the system load around it, since other work on the cores slows every rate."""
     load_before = _load_average()
@@ -273,7 +273,7 @@ def _load_average() -> float | None:
 
 # ---- the command -------------------------------------------------------------------------------
 
-def _check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
+def check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
     from tokenmill.errors import TokenmillError
 
     lo, hi = lo_hi
@@ -288,8 +288,8 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.llm import default_model_path
     from tokenmill.tokenizer import load_tokenizer
 
-    input_range = _check_range("--input-len-range", args.input_len_range)
-    output_range = _check_range("--output-len-range", args.output_len_range)
+    input_range = check_range("--input-len-range", args.input_len_range)
+    output_range = check_range("--output-len-range", args.output_len_range)
     if args.num_requests < 1:
         raise TokenmillError(f"--num-requests: must be >= 1, got {args.num_requests}")
     if any(b < 1 for b in args.hf_batch_size):
@@ -329,12 +329,12 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for options in variants:
         print(f"running tokenmill ({_variant_name({**cfg['engine_args'], **options})}) ...", flush=True)
-        rows.append(_timed_run(_run_tokenmill, work, options))
+        rows.append(timed_run(_run_tokenmill, work, options))
     cfg["resolved_dtype"] = rows[0]["dtype"].removeprefix("torch.")
     cfg["resolved_device"] = rows[0]["device"]
     if not args.no_peer:
         print(f"running transformers (batch sizes {args.hf_batch_size}, {peer_n} requests) ...", flush=True)
-        rows.append(_timed_run(_run_transformers, {**work, **cfg}))
+        rows.append(timed_run(run_transformers, {**work, **cfg}))
     cfg["wall_s"] = time.perf_counter() - bench_start
 
     _print_report(cfg, rows)

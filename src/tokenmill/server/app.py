@@ -225,7 +225,7 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
             else:
                 messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                             for m in body.messages]
-                _, ids = llm._chat_prompt(messages, body.add_generation_prompt)
+                _, ids = llm.chat_prompt(messages, body.add_generation_prompt)
         except TokenmillError as e:
             raise ErrorBody(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
         return {"count": len(ids), "max_model_len": llm.engine.max_model_len, "tokens": ids}

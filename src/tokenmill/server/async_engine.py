@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from tokenmill.engine.engine import EngineStats
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.errors import TokenmillError
-from tokenmill.llm import LLM, _snapshot
+from tokenmill.llm import LLM, snapshot_output
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
@@ -211,7 +211,7 @@ class AsyncEngine:
 
     def _step(self) -> list[RequestOutput]:
         """In the worker thread: one engine step, its outputs copied for the readers."""
-        return [_snapshot(out) for out in self._processor.process(self.engine.step())]
+        return [snapshot_output(out) for out in self._processor.process(self.engine.step())]
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []

@@ -98,7 +98,7 @@ def prepare_completion(req: CompletionRequest, llm: Any) -> Prepared:
     prompts = []
     for i, p in enumerate(prompt):
         try:
-            text, ids = llm._tokenize(p)
+            text, ids = llm.tokenize_prompt(p)
         except TokenmillError as e:
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else llm.tokenizer.decode(ids), ids))
@@ -120,7 +120,7 @@ def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
     params = sampling_params(req, llm.get_default_sampling_params(), max_tokens, logprobs, renames)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     try:
-        text, ids = llm._chat_prompt(messages, add_generation_prompt=True)
+        text, ids = llm.chat_prompt(messages, add_generation_prompt=True)
     except TokenmillError as e:
         raise ErrorBody(400, f"messages: {e}", param="messages") from None
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, renames=renames)

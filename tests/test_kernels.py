@@ -148,8 +148,9 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize(("kind", "ftype"), [("llama", "Q4_1"), ("smollm", "Q8_0")])
-def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype):
+@pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
+                         [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16")])
+def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cache_dtype):
     """kernels.decode_stack (every layer of a decode step in one C call) makes the same kernel calls as
     the per-layer Python loop: the same logprobs, bit for bit, over a generation with several requests."""
     path = str(tiny_gguf_model(kind, ftype))
@@ -157,7 +158,7 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype):
     prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
     results = {}
     for use_stack in (True, False):
-        llm = LLM(path, num_kv_blocks=64, block_size=4)
+        llm = LLM(path, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
         model = llm.engine.model.model
         model.use_decode_stack = use_stack
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -320,10 +320,12 @@ def test_tiny_hf_quantized_at_load_computes_its_quantized_weights(mode, tiny_hf_
 def test_quality_bench_orders_modes(tiny_hf_model):
     """`bench quality` on a dense checkpoint: the reference scores itself exactly, int8 is closer to
     it than int4, and the text is scored in full."""
-    report = run_quality(str(tiny_hf_model("smollm")), ["int4", "int8"], context=128, chunk_size=16,
-                         text=TEXT_PATH.read_text(encoding="utf-8")[:1500])
+    report = run_quality(str(tiny_hf_model("smollm")), ["int4", "int8", "auto-kv-bf16"], context=128,
+                         chunk_size=16, text=TEXT_PATH.read_text(encoding="utf-8")[:1500])
     rows = {r["mode"]: r for r in report["results"]}
-    assert list(rows) == ["none", "int4", "int8"]
+    assert list(rows) == ["none", "int4", "int8", "auto-kv-bf16"]
+    # the dense model with only its K/V rounded to bf16: a small error, but not none
+    assert 0 < rows["auto-kv-bf16"]["mean_kl"] < 1e-2 and rows["auto-kv-bf16"]["top1_agreement"] >= 0.95
     assert rows["none"]["mean_kl"] == 0 and rows["none"]["top1_agreement"] == 1
     assert 0 < rows["int8"]["mean_kl"] < rows["int4"]["mean_kl"]
     assert rows["int8"]["top1_agreement"] >= 0.9

@@ -23,8 +23,9 @@ import torch
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.loader import weight_forms
 
-MODES = ("none", "auto", "int8", "int4", "bf16")  # auto: quantization=None (GGUF types kept quantized);
-#                                                  bf16: dense bfloat16 (the error of plain bf16 inference)
+MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-bf16")
+# auto: quantization=None (GGUF types kept quantized); bf16: dense bfloat16 (the error of plain bf16
+# inference); auto-kv-bf16: auto with kv_cache_dtype="bfloat16"
 TEXT_PATH = Path(__file__).with_name("quality_text.txt")
 
 
@@ -51,10 +52,14 @@ class Scorer:
         from tokenmill import LLM
 
         start = time.perf_counter()
+        kv_cache_dtype = "auto"
         if mode == "bf16":  # dense bf16, for scale: the error of plain bf16 inference
             mode, dtype = "none", "bfloat16"
+        elif mode == "auto-kv-bf16":
+            mode, kv_cache_dtype = "auto", "bfloat16"
         llm = LLM(model_path, dtype=dtype, quantization=None if mode == "auto" else mode,
-                  num_kv_blocks=-(-context // block_size), block_size=block_size, max_num_seqs=1)
+                  kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-context // block_size), block_size=block_size,
+                  max_num_seqs=1)
         return cls(llm, time.perf_counter() - start)
 
     @torch.inference_mode()
@@ -125,17 +130,18 @@ def compare_scorers(scorers: dict[str, Scorer], text: str, context: int, chunk_s
 def print_quality(report: dict[str, Any]) -> None:
     print(f"model: {report['model']}  dtype: {report['dtype'].removeprefix('torch.')}  text: {report['tokens']} "
           f"tokens, windows of {report['context']}, {report['chunk_size']} rows per step")
-    print(f"{'mode':<6}{'weights MiB':>12}{'load s':>8}{'perplexity':>20}{'max|dlogit|':>13}{'mean|dlogit|':>14}"
+    width = max(6, *(len(r["mode"]) + 1 for r in report["results"]))
+    print(f"{'mode':<{width}}{'weights MiB':>12}{'load s':>8}{'perplexity':>20}{'max|dlogit|':>13}{'mean|dlogit|':>14}"
           f"{'mean KL':>10}{'top-1 agree':>13}  weight forms (layers)")
     ref = report["results"][0]["perplexity"]
     for r in report["results"]:
         change = "" if r["mode"] == "none" else f" ({100 * (r['perplexity'] / ref - 1):+.2f}%)"
         ppl = f"{r['perplexity']:.3f}{change}"
         forms = ", ".join(f"{k} {v}" for k, v in r["weight_forms"].items())
-        print(f"{r['mode']:<6}{r['weights_mib']:>12.1f}{r['load_s']:>8.2f}{ppl:>20}{r['max_abs_logit_err']:>13.4f}"
+        print(f"{r['mode']:<{width}}{r['weights_mib']:>12.1f}{r['load_s']:>8.2f}{ppl:>20}{r['max_abs_logit_err']:>13.4f}"
               f"{r['mean_abs_logit_err']:>14.5f}{r['mean_kl']:>10.2e}{100 * r['top1_agreement']:>12.2f}%  {forms}")
     print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized; "
-          "bf16 is the dense model in bfloat16")
+          "bf16 is the dense model in bfloat16; auto-kv-bf16 is auto with a bfloat16 KV cache")
 
 
 def add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -144,7 +150,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     p.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"], choices=MODES,
                    help="quantization modes to compare (auto = GGUF types kept quantized; bf16 = dense bfloat16, "
-                   "for scale); none (dense, --dtype) is the reference")
+                   "for scale; auto-kv-bf16 = auto with a bfloat16 KV cache); none (dense, --dtype) is the "
+                   "reference")
     p.add_argument("--context", type=int, default=1024, help="tokens per window of the text")
     p.add_argument("--chunk-size", type=int, default=32,
                    help="rows per step")

@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill.layers import quant
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.quant import QuantWeight, quantized_logits
+from tokenmill.layers.quant import QuantWeight
 
 
 class Linear(nn.Module):
@@ -52,9 +52,9 @@ class Linear(nn.Module):
         return y if residual is None else residual + y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 hidden @ W^T for an LM head (no bias; see `quantized_logits`)."""
+        """float32 hidden @ W^T for an LM head (no bias)."""
         if self.qweight is not None:
-            return quantized_logits(self.qweight, hidden)
+            return self.qweight.matmul(hidden)
         return F.linear(hidden, self.weight).float()
 
 
@@ -76,5 +76,5 @@ class Embedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 hidden @ W^T: the logits of a model whose LM head is tied to these embeddings."""
         if self.qweight is not None:
-            return quantized_logits(self.qweight, hidden)
+            return self.qweight.matmul(hidden)
         return F.linear(hidden, self.weight).float()

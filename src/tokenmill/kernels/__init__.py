@@ -84,29 +84,37 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: %s", _FALLBACK)
         return None
     try:
-        return ctypes.CDLL(str(_compile(compiler)))
+        lib = ctypes.CDLL(str(_compile(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("could not build the C kernels (%s): %s", e, _FALLBACK)
         return None
-
-
-@cache
-def load() -> ctypes.CDLL | None:
-    """The compiled decode-attention library, or None (logged once) if it cannot be built here."""
-    lib = _library()
-    if lib is None:
-        return None
-    args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-        ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int
-    for name in ("paged_decode_rotary_f32", "paged_decode_rotary_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 6 + args[3:]
-        fn.restype = ctypes.c_int
+    _declare(lib)
     return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument and result types of every exported function."""
+    i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    args = [ptr] * 4 + [i64, ptr, ptr] + [i64] * 5 + [f32, i32, i32]
+    for name in ("paged_decode_f32", "paged_decode_bf16"):
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = i32
+    for name in ("paged_decode_rotary_f32", "paged_decode_rotary_bf16"):
+        getattr(lib, name).argtypes = [ptr] * 6 + args[3:]
+        getattr(lib, name).restype = i32
+    lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
+    lib.quant_matmul.restype = i32
+    lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
+    lib.quant_rows.restype = None
+    lib.quant_matmul_has_simd.restype = i32
+    lib.decode_stack.argtypes = [i64, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, ptr, ptr, ptr, i64, ptr, i64, f32, i32,
+                                                                    i32]
+    lib.decode_stack.restype = i32
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels (decode attention), or None (logged once) if they cannot be built here."""
+    return _library()
 
 
 _DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -166,24 +174,9 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # ---------------------------------------------------------------------------------- quantized matmul
 
 
-@cache
 def load_quant() -> ctypes.CDLL | None:
-    """The compiled quantized-matmul library, or None (logged once) if it cannot be built here."""
-    lib = _library()
-    if lib is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_float,
-                                 ptr, ptr, ctypes.c_int, ctypes.c_int]
-    lib.quant_matmul.restype = ctypes.c_int
-    lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
-    lib.quant_rows.restype = None
-    lib.quant_matmul_has_simd.restype = ctypes.c_int
-    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    lib.decode_stack.argtypes = [i64, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, ptr, ptr, ptr, i64, ptr, i64, f32,
-                                                                    ctypes.c_int, ctypes.c_int]
-    lib.decode_stack.restype = ctypes.c_int
-    return lib
+    """The compiled kernels (quantized matmul), or None (logged once) if they cannot be built here."""
+    return _library()
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,

@@ -184,3 +184,31 @@ def test_bf16_kv_cache_on_a_float32_model(tiny_hf_model):
     assert (rounded - exact).abs().max() < 0.05 * exact.abs().max()
     with pytest.raises(TokenmillError, match="kv_cache_dtype"):
         make_engine(path, kv_cache_dtype="int8")
+
+
+def test_portable_build_without_avx512(monkeypatch):
+    """The kernels compiled for a baseline x86-64 CPU (no AVX-512, no VNNI: the portable C paths)
+    give the quantized matmul's exact sums and the same attention as this machine's build."""
+    from tokenmill.layers.quant import QuantWeight, quantize
+
+    weight = QuantWeight(quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(1)), 4), torch.float32)
+    x = torch.randn(5, 96)
+    q, cache, tables, seq_lens = random_paged_batch([3, 40, 17], 6, 2, 64, 16, torch.float32, seed=8)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return (kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 40, 4),
+                kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125))
+
+    native = run()
+    if kernels.load_quant().quant_matmul_has_simd():
+        native_generic = kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 40, 4, generic=True)
+        assert torch.equal(native_generic, native[0])
+    monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in kernels._FLAGS])
+    _clear_kernel_caches()
+    try:
+        assert kernels.load_quant().quant_matmul_has_simd() == 0
+        portable = run()
+    finally:
+        _clear_kernel_caches()
+    assert torch.equal(portable[0], native[0])
+    torch.testing.assert_close(portable[1], native[1], atol=2e-6, rtol=1e-5)

@@ -172,7 +172,7 @@ DEFINE_AVX512_DECODE(avx512_decode_bf16, loadv_bf16)
     (!generic && head_dim % 16 == 0 && head_dim <= 16 * MAX_CHUNKS ? avx512_decode_##SUFFIX      \
                                                                     : generic_decode_##SUFFIX)
 #else
-#define DISPATCH(SUFFIX) generic_decode_##SUFFIX
+#define DISPATCH(SUFFIX) ((void)generic, generic_decode_##SUFFIX)
 #endif
 
 #define DEFINE_ENTRY(NAME, SUFFIX)                                                               \

@@ -208,6 +208,7 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                  const float *residual, float *y, int generic, int num_threads) {
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
     const int fused = gated || norm_w != NULL;
+    (void)generic;  /* only the SIMD build has another path */
     int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
     float *dx = malloc(sizeof(float) * (size_t)(mrows * groups));
     float *bx = malloc(sizeof(float) * (size_t)(mrows * groups));

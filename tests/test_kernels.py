@@ -148,7 +148,8 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
 
 
 @pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
-                         [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16")])
+                         [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16"),
+                          ("qwen2", "Q5_0", "auto")])  # qwen2: q/k/v biases
 def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cache_dtype):
     """kernels.decode_stack (every layer of a decode step in one C call) makes the same kernel calls as
     the per-layer Python loop: the same logprobs, bit for bit, over a generation with several requests."""

@@ -217,11 +217,12 @@ def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 
 @dataclass
 class StackPlan:
-    """What decode_stack needs of a Llama model besides the step's inputs: per layer the 16 pointers
+    """What decode_stack needs of a Llama model besides the step's inputs: per layer the 17 pointers
     of kernels.c's enum (packed weights, scales, offsets of qkv / o / gate_up / down, the two RMSNorm
-    weights, the K and V caches) and the four projections' bits. Holds the tensors it points into."""
+    weights, the K and V caches, the q/k/v bias or None) and the four projections' bits. Holds the
+    tensors it points into."""
 
-    tensors: list[torch.Tensor]
+    tensors: list[torch.Tensor | None]
     bits: list[int]
     hidden: int
     intermediate: int
@@ -234,7 +235,8 @@ class StackPlan:
     kv_bf16: bool
 
     def __post_init__(self) -> None:
-        self._ptrs = (ctypes.c_void_p * len(self.tensors))(*(t.data_ptr() for t in self.tensors))
+        self._ptrs = (ctypes.c_void_p * len(self.tensors))(*(None if t is None else t.data_ptr()
+                                                             for t in self.tensors))
         self._bits = (ctypes.c_int * len(self.bits))(*self.bits)
         self.layers = len(self.bits) // 4
 

@@ -5,9 +5,10 @@
 #include "quant_matmul.c"
 
 /* Per layer, `ptrs` holds these pointers (the packed weights, scales and offsets of the four
- * projections, the two RMSNorm weights, the layer's K and V caches) and `bits` the projections' bits. */
+ * projections, the two RMSNorm weights, the layer's K and V caches, the q/k/v bias or NULL) and
+ * `bits` the projections' bits. */
 enum { QKV_W, QKV_D, QKV_M, O_W, O_D, O_M, GU_W, GU_D, GU_M, DN_W, DN_D, DN_M, IN_NORM, POST_NORM,
-       K_CACHE, V_CACHE, PTRS_PER_LAYER };
+       K_CACHE, V_CACHE, QKV_BIAS, PTRS_PER_LAYER };
 
 /* x [batch, hidden] fp32, updated in place: for each layer,
  *   x = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)))))       (K/V written to the cache)
@@ -27,7 +28,13 @@ int decode_stack(int64_t layers, void *const *ptrs, const int *bits, float *x, i
         void *const *p = ptrs + l * PTRS_PER_LAYER;
         const int *b = bits + 4 * l;
         failed = quant_matmul(x, batch, hidden, p[QKV_W], p[QKV_D], p[QKV_M], qkv_n, b[0], 0, p[IN_NORM], eps,
-                              NULL, qkv, 0, num_threads)
+                              NULL, qkv, 0, num_threads);
+        if (!failed && p[QKV_BIAS] != NULL) {  /* added after the matmul, as the layer loop adds it */
+            const float *bias = p[QKV_BIAS];
+            for (int64_t i = 0; i < batch; i++)
+                for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += bias[j];
+        }
+        failed = failed
               || (kv_bf16 ? paged_decode_rotary_bf16 : paged_decode_rotary_f32)(
                      qkv, cos, sin, slots, p[K_CACHE], p[V_CACHE], block_tables, max_blocks, seq_lens, attn,
                      batch, heads, kv_heads, head_dim, block_size, scale, num_threads, 0)

@@ -135,7 +135,7 @@ class LlamaModel(nn.Module):
 
     def _stack_plan(self, x: torch.Tensor, meta: AttentionMetadata) -> kernels.StackPlan | None:
         """The plan for kernels.decode_stack, where it applies: a decode-only float32 step on CPU whose
-        every projection is quantized without bias, no q/k norms, attention on the C kernel. Per layer
+        every projection is quantized (biases on q/k/v only), no q/k norms, attention on the C kernel. Per layer
         the Python loop costs ~40 op dispatches (~0.25 ms at batch 1); the stack, none."""
         first = self.layers[0].self_attn
         if not (self.use_decode_stack and x.dtype == torch.float32 and first.attn.fuses_rotary_decode(meta)
@@ -147,19 +147,19 @@ class LlamaModel(nn.Module):
         return self._plan or None
 
     def _build_plan(self) -> kernels.StackPlan | bool:
-        tensors: list[torch.Tensor] = []
+        tensors: list[torch.Tensor | None] = []
         bits: list[int] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            if any(p.qweight is None or p.bias is not None for p in projections):
+            if any(p.qweight is None for p in projections) or any(p.bias is not None for p in projections[1:]):
                 return False
             for p in projections:
                 tensors += [p.qweight.packed, p.qweight.scales, p.qweight.offsets]
                 bits.append(p.qweight.bits)
             tensors += [layer.input_layernorm.weight.float().contiguous(),
                         layer.post_attention_layernorm.weight.float().contiguous(), attn.attn.kv_cache[0],
-                        attn.attn.kv_cache[1]]
+                        attn.attn.kv_cache[1], attn.qkv_proj.bias]
         first = self.layers[0]
         return kernels.StackPlan(
             tensors=tensors, bits=bits, hidden=first.mlp.down_proj.qweight.out_features,

@@ -100,14 +100,25 @@ def _measure_batch1(gen, cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _peak_rss_mib() -> float:
-    """This process's peak resident memory (latency.peak_rss_mib's twin: this file also runs as a
-    torch-free script for the llama.cpp worker, so it cannot import the tokenmill package). Linux's
+def vm_hwm_mib(pid: int | str) -> float | None:
+    """A live process's peak resident memory (Linux /proc; None elsewhere)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory, for every benchmark (here because this file also runs as
+    a torch-free script for the llama.cpp worker, which cannot import the tokenmill package). Linux's
     VmHWM, not getrusage's ru_maxrss: ru_maxrss survives exec, so a child started from a big parent
-    (this command has torch loaded) would report the parent's peak as its own."""
+    (one that had loaded torch reports >= ~230 MiB whatever it did) would report the parent's peak."""
     import resource
 
-    hwm = _vm_hwm_mib("self")
+    hwm = vm_hwm_mib("self")
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -134,7 +145,7 @@ def _batch1_tokenmill(cfg: dict[str, Any]) -> dict[str, Any]:
 
     result = _measure_batch1(gen, cfg)
     return {"engine": "tokenmill", "load_s": load_s, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), **result, "peak_rss_mib": _peak_rss_mib()}
+            "threads": torch.get_num_threads(), **result, "peak_rss_mib": peak_rss_mib()}
 
 
 def _batch1_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +188,7 @@ def _batch1_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
 
     result = _measure_batch1(gen, cfg)
     return {"engine": "transformers", "load_s": load_s, "dtype": cfg["dtype"], "threads": torch.get_num_threads(),
-            **result, "peak_rss_mib": _peak_rss_mib()}
+            **result, "peak_rss_mib": peak_rss_mib()}
 
 
 def _batch1_llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +223,7 @@ def _batch1_llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
 
     result = _measure_batch1(gen, cfg)
     return {"engine": "llama.cpp", "load_s": load_s, "version": llama_cpp.__version__,
-            "threads": cfg["threads"], "n_ctx": cfg["n_ctx"], **result, "peak_rss_mib": _peak_rss_mib()}
+            "threads": cfg["threads"], "n_ctx": cfg["n_ctx"], **result, "peak_rss_mib": peak_rss_mib()}
 
 
 def _llama_cpp_in_clean_process(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -234,17 +245,6 @@ def _worker_main(argv: list[str]) -> int:
 
 
 # ---- concurrent load --------------------------------------------------------------------------------
-
-def _vm_hwm_mib(pid: int | str) -> float | None:
-    """A live process's peak resident memory (Linux /proc; None elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
 
 def _drive(base_url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, seed: int,
            timeout: float) -> dict[str, Any]:
@@ -280,7 +280,7 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
             # the level before (both tokenmill and llama-server cache prompts).
             row["levels"][str(level)] = _drive(base_url, work["level_prompts"][level], work["output_lens"], level,
                                                work["seed"], timeout)
-        row["peak_rss_mib"] = _vm_hwm_mib(process.pid)
+        row["peak_rss_mib"] = vm_hwm_mib(process.pid)
     finally:
         code = bench_serve.stop_process(process)
         if code not in (0, None, -15):
@@ -295,7 +295,7 @@ def _static_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     from tokenmill.bench.throughput import run_transformers
 
-    return {**run_transformers(cfg), "peak_rss_mib": _peak_rss_mib()}
+    return {**run_transformers(cfg), "peak_rss_mib": peak_rss_mib()}
 
 
 # ---- the command ----------------------------------------------------------------------------------------

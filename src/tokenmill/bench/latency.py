@@ -11,11 +11,12 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from tokenmill.bench.compare import peak_rss_mib
 
 _TEXT = ("The history of computing is a story of people who wanted to calculate faster than they could "
          "by hand. From the abacus to mechanical calculators, from punched cards to transistors, every "
@@ -40,25 +41,6 @@ def load_hf_peer(model: str, dtype):
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return hf.eval()
-
-
-def vm_hwm_mib(pid: int | str) -> float | None:
-    """A live process's peak resident memory (Linux /proc; None elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory. Linux's VmHWM, not getrusage's ru_maxrss: ru_maxrss
-    carries over the peak of the parent a spawned benchmark child started from (one that had
-    loaded torch reports >= ~230 MiB whatever it did)."""
-    hwm = vm_hwm_mib("self")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _run_tokenmill(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -97,7 +97,6 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog, tiny_gguf_mo
         with caplog.at_level(logging.WARNING, logger="tokenmill.kernels"):
             assert kernels.load() is None
             assert not kernels.supports_paged_decode(torch.zeros(1, 1, 1, 1))
-            assert kernels.load_quant() is None
         assert "PyTorch path" in caplog.text and "dequantized at load" in caplog.text
         # quantized GGUF weights are then dequantized; asking for at-load quantization is an error
         llm = LLM(str(tiny_gguf_model("llama", "Q4_1")), num_kv_blocks=16)
@@ -201,13 +200,13 @@ def test_portable_build_without_avx512(monkeypatch):
                 kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125))
 
     native = run()
-    if kernels.load_quant().quant_matmul_has_simd():
+    if kernels.load().quant_matmul_has_simd():
         native_generic = kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 40, 4, generic=True)
         assert torch.equal(native_generic, native[0])
     monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in kernels._FLAGS])
     _clear_kernel_caches()
     try:
-        assert kernels.load_quant().quant_matmul_has_simd() == 0
+        assert kernels.load().quant_matmul_has_simd() == 0
         portable = run()
     finally:
         _clear_kernel_caches()

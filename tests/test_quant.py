@@ -129,7 +129,7 @@ def test_kernel_computes_its_formula(bits, rows, cols):
     x[3] = 0  # an all-zero row (scale 0)
     y = weight.matmul(x)
     generic = kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, rows, bits, generic=True)
-    if kernels.load_quant().quant_matmul_has_simd():
+    if kernels.load().quant_matmul_has_simd():
         assert torch.equal(y, generic)  # exact integer sums, the same float operations in the same order
     qx, dx, sums = quantize_activations(x)
     u = q.u.double().view(rows, -1, 32)

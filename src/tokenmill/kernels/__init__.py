@@ -52,6 +52,9 @@ def _cpu_flags() -> str:
 
 
 _DIR = Path(__file__).parent
+# decode attention entry points by KV-cache dtype
+_DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_ROTARY_DECODE_FN = {torch.float32: "paged_decode_rotary_f32", torch.bfloat16: "paged_decode_rotary_bf16"}
 
 
 def _compile(compiler: str) -> Path:
@@ -96,10 +99,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     """Argument and result types of every exported function."""
     i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     args = [ptr] * 4 + [i64, ptr, ptr] + [i64] * 5 + [f32, i32, i32]
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
+    for name in _DECODE_FN.values():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = i32
-    for name in ("paged_decode_rotary_f32", "paged_decode_rotary_bf16"):
+    for name in _ROTARY_DECODE_FN.values():
         getattr(lib, name).argtypes = [ptr] * 6 + args[3:]
         getattr(lib, name).restype = i32
     lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
@@ -113,11 +116,10 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels (decode attention), or None (logged once) if they cannot be built here."""
+    """The compiled kernels, or None (logged once) if they cannot be built here."""
     return _library()
 
 
-_DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 MAX_ROTARY_HEAD_DIM = 512  # paged_decode_rotary's stack buffer
 
 
@@ -161,8 +163,7 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     qkv, cos, sin = (t.float().contiguous() for t in (qkv, cos, sin))
     batch = qkv.shape[0]
     out = torch.empty(batch, heads * head_dim)
-    name = _DECODE_FN[k_cache.dtype].replace("decode", "decode_rotary")
-    failed = getattr(lib, name)(
+    failed = getattr(lib, _ROTARY_DECODE_FN[k_cache.dtype])(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), batch, heads,
         kv_heads, head_dim, block_size, scale, torch.get_num_threads(), int(generic))
@@ -172,11 +173,6 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------- quantized matmul
-
-
-def load_quant() -> ctypes.CDLL | None:
-    """The compiled kernels (quantized matmul), or None (logged once) if they cannot be built here."""
-    return _library()
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
@@ -193,7 +189,7 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, of
         residual = residual.float().contiguous()
         assert residual.shape == y.shape
     k = x.shape[1] // 2 if gated else x.shape[1]
-    if load_quant().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(),
+    if load().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(),
                                  offsets.data_ptr(), out_features, bits, int(gated),
                                  None if norm_w is None else norm_w.data_ptr(), eps,
                                  None if residual is None else residual.data_ptr(), y.data_ptr(), int(generic),
@@ -207,7 +203,7 @@ def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     """fp32 [len(ids), K]: rows `ids` of the packed W, dequantized."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), in_features)
-    load_quant().quant_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), in_features, bits,
+    load().quant_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), in_features, bits,
                             ids.data_ptr(), ids.numel(), out.data_ptr())
     return out
 

@@ -17,7 +17,28 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quant import QuantWeight
 
 
-class Linear(nn.Module):
+class _Weighted(nn.Module):
+    """A layer holding a [N, K] weight, dense (`weight`) or quantized (`qweight`), that can also
+    serve as an LM head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight: nn.Parameter | None = None
+        self.qweight: QuantWeight | None = None  # an instance attribute: a class one would hide the submodule
+
+    def set_quantized(self, qweight: QuantWeight) -> None:
+        """Run with `qweight` instead of the dense weight (which is dropped)."""
+        self.weight = None
+        self.qweight = qweight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 hidden @ W^T for an LM head (no bias): an Embedding's for a tied head."""
+        if self.qweight is not None:
+            return self.qweight.matmul(hidden)
+        return F.linear(hidden, self.weight).float()
+
+
+class Linear(_Weighted):
     """y = x W^T (+ b). `shard_sizes` marks a fused projection (q/k/v or gate/up): the loader fills
     each shard from its own checkpoint tensor, stacked along the output dimension."""
 
@@ -25,15 +46,8 @@ class Linear(nn.Module):
         super().__init__()
         sizes = out_features if isinstance(out_features, list) else [out_features]
         self.shard_sizes = sizes
-        self.in_features = in_features
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
-        self.qweight: QuantWeight | None = None
-
-    def set_quantized(self, qweight: QuantWeight) -> None:
-        """Run with `qweight` instead of the dense weight (which is dropped)."""
-        self.weight = None
-        self.qweight = qweight
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,30 +65,13 @@ class Linear(nn.Module):
         y = F.linear(x, self.weight, self.bias) if self.qweight is None else self.qweight.linear(x, self.bias)
         return y if residual is None else residual + y
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 hidden @ W^T for an LM head (no bias)."""
-        if self.qweight is not None:
-            return self.qweight.matmul(hidden)
-        return F.linear(hidden, self.weight).float()
 
-
-class Embedding(nn.Module):
+class Embedding(_Weighted):
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
-        self.qweight: QuantWeight | None = None
-
-    def set_quantized(self, qweight: QuantWeight) -> None:
-        self.weight = None
-        self.qweight = qweight
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.rows(ids)
         return F.embedding(ids, self.weight)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 hidden @ W^T: the logits of a model whose LM head is tied to these embeddings."""
-        if self.qweight is not None:
-            return self.qweight.matmul(hidden)
-        return F.linear(hidden, self.weight).float()

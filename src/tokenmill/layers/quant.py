@@ -36,7 +36,7 @@ EXACT_ACTIVATIONS = False
 
 
 def kernel_available() -> bool:
-    return kernels.load_quant() is not None
+    return kernels.load() is not None
 
 
 @dataclass

@@ -53,17 +53,57 @@ static inline float f16_to_f32(uint16_t h) {
  * rounds the remainder (|lo| <= 127), so each activation is within dx / 2 of its value: 2^-8 of
  * the plain int8 error, for twice the dot products. */
 
+/* Float sums in one fixed order in every build (so the SIMD and portable builds agree bit for bit):
+ * 16 lanes, lane j summing elements j, j + 16, j + 32, ... in turn; then lanes j and j + w for
+ * w = 8, 4, 2, 1. n is a multiple of 16. */
+static float sum16(const float *x, int64_t n, int squares) {
+    float s[16];
+    for (int j = 0; j < 16; j++) s[j] = squares ? x[j] * x[j] : x[j];
+    for (int64_t i = 16; i < n; i += 16)
+        for (int j = 0; j < 16; j++) s[j] += squares ? x[i + j] * x[i + j] : x[i + j];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+
+#ifdef HAVE_AVX512
+static inline float sum16_512(__m512 v) {  /* sum16's lane tree on a vector of its 16 lanes */
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(c) + _mm_cvtss_f32(_mm_shuffle_ps(c, c, 1));
+}
+#endif
+
+/* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
+ * clamped to +-127; dx = fine, bx = the group's float sum (sum16's order). */
 static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx, float *bx) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
-        float amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < GROUP; i++) {
-            const float a = fabsf(xg[i]);
-            amax = a > amax ? a : amax;
-            sum += xg[i];
-        }
+        float amax = 0.0f;
+#ifdef HAVE_AVX512
+        const __m512 x0 = _mm512_loadu_ps(xg), x1 = _mm512_loadu_ps(xg + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float sum = sum16_512(_mm512_add_ps(x0, x1));
+#else
+        for (int i = 0; i < GROUP; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+        const float sum = sum16(xg, GROUP, 0);
+#endif
         const float step = amax / 127.0f, fine = step / 254.0f;
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv_fine = amax > 0.0f ? 1.0f / fine : 0.0f;
+#ifdef HAVE_AVX512
+        const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512 vinv = _mm512_set1_ps(inv), vstep = _mm512_set1_ps(step), vfine = _mm512_set1_ps(inv_fine);
+        const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+        for (int half = 0; half < 2; half++) {
+            const __m512 v = half ? x1 : x0;
+            const __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), round);
+            __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(h, vstep)), vfine), round);
+            l = _mm512_min_ps(_mm512_max_ps(l, bottom), top);
+            _mm_storeu_si128((__m128i *)(hi + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
+            _mm_storeu_si128((__m128i *)(lo + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+        }
+#else
         for (int i = 0; i < GROUP; i++) {
             const float h = nearbyintf(xg[i] * inv);
             float l = nearbyintf((xg[i] - h * step) * inv_fine);
@@ -71,6 +111,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
             hi[g * GROUP + i] = (int8_t)h;
             lo[g * GROUP + i] = (int8_t)l;
         }
+#endif
         dx[g] = fine;
         bx[g] = sum;
     }
@@ -96,9 +137,7 @@ static const float *prepare_row(const float *x, int64_t k, int gated, const floa
         src = tmp;
     }
     if (norm_w != NULL) {
-        float ss = 0.0f;
-        for (int64_t i = 0; i < k; i++) ss += src[i] * src[i];
-        const float r = 1.0f / sqrtf(ss / (float)k + eps);
+        const float r = 1.0f / sqrtf(sum16(src, k, 1) / (float)k + eps);
         for (int64_t i = 0; i < k; i++) tmp[i] = src[i] * r * norm_w[i];
         src = tmp;
     }
@@ -141,8 +180,29 @@ static void tile_generic(const uint8_t *w, const uint16_t *d, const uint16_t *m,
 }
 
 #ifdef HAVE_VNNI
-/* The same sums as tile_generic, for MB activation rows at once; the tile's weights are unpacked
- * once per group and reused by every row. */
+/* One activation row's contribution of one group to a tile's 16 outputs: acc + the group's sums
+ * (16 dot products of 4 inputs each per plane; 4 independent chains). */
+static inline __m512 row_group(__m512 acc, const __m512i *u, const int8_t *qrow, int64_t k, __m512 dv, __m512 mv,
+                               float dx, float bx) {
+    const int32_t *a = (const int32_t *)qrow, *b = (const int32_t *)(qrow + k);
+    __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+    __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+        h0 = _mm512_dpbusd_epi32(h0, u[c], _mm512_set1_epi32(a[c]));
+        l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));
+        h1 = _mm512_dpbusd_epi32(h1, u[c + 1], _mm512_set1_epi32(a[c + 1]));
+        l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));
+    }
+    const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), _mm512_set1_ps(254.0f),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(l0, l1)));
+    acc = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc);
+    return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), acc);
+}
+
+/* The same sums as tile_generic, for MB (<= 8) activation rows at once: the tile's weights are
+ * unpacked once per group and reused by every row; each row's accumulator is a variable of its own
+ * (not an array), so that they all stay in registers. */
+#define ROWS_8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define DEFINE_TILE_VNNI(MB)                                                                        \
 static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits,        \
                            int64_t t, int64_t groups, const int8_t *q, const float *dx,             \
@@ -150,8 +210,10 @@ static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *
                            int nrows) {                                                             \
     const int64_t gbytes = bits * GROUP * TILE / 8;                                                 \
     const __m512i low = _mm512_set1_epi8(15);                                                       \
-    __m512 acc[MB];                                                                                 \
-    for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();                                      \
+    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-variable\"")          \
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0,          \
+           acc5 = acc0, acc6 = acc0, acc7 = acc0;                                                   \
+    _Pragma("GCC diagnostic pop")                                                                   \
     for (int64_t g = 0; g < groups; g++) {                                                          \
         const uint8_t *tg = w + (t * groups + g) * gbytes;                                          \
         __m512i u[8];                                                                               \
@@ -167,29 +229,28 @@ static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *
         const int64_t sg = (t * groups + g) * TILE;                                                 \
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + sg)));           \
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + sg)));           \
-        for (int i = 0; i < MB; i++) {                                                              \
-            const int32_t *a = (const int32_t *)(q + i * 2 * k + g * GROUP), *b = a + k / 4;          \
-            __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();                       \
-            __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();                       \
-            for (int c = 0; c < 8; c += 2) {                                                        \
-                h0 = _mm512_dpbusd_epi32(h0, u[c], _mm512_set1_epi32(a[c]));                        \
-                l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));                        \
-                h1 = _mm512_dpbusd_epi32(h1, u[c + 1], _mm512_set1_epi32(a[c + 1]));                \
-                l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));                \
-            }                                                                                       \
-            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)),         \
-                                             _mm512_set1_ps(254.0f),                                \
-                                             _mm512_cvtepi32_ps(_mm512_add_epi32(l0, l1)));         \
-            acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * groups + g])), acc[i]); \
-            acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(bx[i * groups + g]), acc[i]);               \
-        }                                                                                           \
+        const int8_t *qg = q + g * GROUP;                                                           \
+        const float *dxg = dx + g, *bxg = bx + g;                                                   \
+        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")         \
+        ROWS_8(TILE_ROW_GROUP_##MB)                                                                 \
+        _Pragma("GCC diagnostic pop")                                                               \
     }                                                                                               \
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);                                          \
-    for (int i = 0; i < MB; i++) {                                                                  \
-        if (res != NULL) acc[i] = _mm512_add_ps(acc[i], _mm512_maskz_loadu_ps(mask, res + i * ldy));  \
-        _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);                                           \
-    }                                                                                               \
+    ROWS_8(TILE_ROW_STORE_##MB)                                                                     \
 }
+#define ROW_GROUP(i) acc##i = row_group(acc##i, u, qg + (i) * 2 * k, k, dv, mv, dxg[(i) * groups], bxg[(i) * groups]);
+#define ROW_STORE(i)                                                                                \
+    if (res != NULL) acc##i = _mm512_add_ps(acc##i, _mm512_maskz_loadu_ps(mask, res + (i) * ldy));   \
+    _mm512_mask_storeu_ps(y + (i) * ldy, mask, acc##i);
+#define ROW_IF(MB, i, X) if ((i) < (MB)) { X(i) }
+#define TILE_ROW_GROUP_1(i) ROW_IF(1, i, ROW_GROUP)
+#define TILE_ROW_GROUP_2(i) ROW_IF(2, i, ROW_GROUP)
+#define TILE_ROW_GROUP_4(i) ROW_IF(4, i, ROW_GROUP)
+#define TILE_ROW_GROUP_8(i) ROW_IF(8, i, ROW_GROUP)
+#define TILE_ROW_STORE_1(i) ROW_IF(1, i, ROW_STORE)
+#define TILE_ROW_STORE_2(i) ROW_IF(2, i, ROW_STORE)
+#define TILE_ROW_STORE_4(i) ROW_IF(4, i, ROW_STORE)
+#define TILE_ROW_STORE_8(i) ROW_IF(8, i, ROW_STORE)
 DEFINE_TILE_VNNI(1)
 DEFINE_TILE_VNNI(2)
 DEFINE_TILE_VNNI(4)

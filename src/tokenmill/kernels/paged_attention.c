@@ -112,50 +112,95 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, exp512(x));
 }
 
-#define DEFINE_AVX512_DECODE(NAME, LOADV)                                                        \
+/* One (request, kv head) task with CH = head_dim / 16 known at compile time, so that a token's K
+ * or V row and the accumulators stay in registers:
+ *   scores: the token's K row is loaded once for the group's query heads;
+ *   softmax over the padded score rows;
+ *   V sums: heads in blocks of HB (HB * CH accumulators: independent FMA chains), the V row
+ *   loaded once per block of heads. */
+#define HEAD_BLOCK(CH) ((CH) <= 24 ? 24 / (CH) : 1)
+
+#define DEFINE_AVX512_TASK(NAME, LOADV)                                                          \
+static inline __attribute__((always_inline)) void NAME(                                          \
+        const int CH, const float *qh, float *oh, const void *k, const void *v,                  \
+        const int64_t *table, int64_t len, int64_t group, int64_t kv_heads, int64_t kh,          \
+        int64_t block_size, float scale, float *scores, int64_t padded) {                        \
+    const int64_t head_dim = 16 * CH;                                                            \
+    FOR_EACH_TOKEN(t, row) {                                                                     \
+        __m512 kr[16];                                                                           \
+        _Pragma("GCC unroll 16")                                                                 \
+        for (int c = 0; c < CH; c++) kr[c] = LOADV(k, row + 16 * c);                             \
+        for (int64_t g = 0; g < group; g++) {                                                    \
+            const float *qg = qh + g * head_dim;                                                 \
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);                              \
+            _Pragma("GCC unroll 16")                                                             \
+            for (int c = 1; c < CH; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], acc); \
+            scores[g * padded + t] = _mm512_reduce_add_ps(acc) * scale;                          \
+        }                                                                                        \
+    } END_EACH_TOKEN                                                                             \
+    for (int64_t g = 0; g < group; g++) {                                                        \
+        float *sg = scores + g * padded;                                                         \
+        for (int64_t t = len; t < padded; t++) sg[t] = -INFINITY;                                \
+        __m512 mv = _mm512_set1_ps(-INFINITY);                                                   \
+        for (int64_t t = 0; t < padded; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sg + t)); \
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));                               \
+        __m512 total = _mm512_setzero_ps();                                                      \
+        for (int64_t t = 0; t < padded; t += 16) {                                               \
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sg + t), m));          \
+            _mm512_store_ps(sg + t, e);                                                          \
+            total = _mm512_add_ps(total, e);                                                     \
+        }                                                                                        \
+        const float sum = _mm512_reduce_add_ps(total);                                           \
+        const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);                      \
+        for (int64_t t = 0; t < padded; t += 16)                                                 \
+            _mm512_store_ps(sg + t, _mm512_mul_ps(_mm512_load_ps(sg + t), inv));                 \
+    }                                                                                            \
+    const int HB = HEAD_BLOCK(CH);                                                               \
+    for (int64_t g0 = 0; g0 < group; g0 += HB) {                                                 \
+        const int64_t n = group - g0 < HB ? group - g0 : HB;                                     \
+        __m512 acc[24];                                                                          \
+        _Pragma("GCC unroll 24")                                                                 \
+        for (int j = 0; j < HB; j++)                                                             \
+            _Pragma("GCC unroll 16")                                                             \
+            for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_setzero_ps();                     \
+        FOR_EACH_TOKEN(t, row) {                                                                 \
+            __m512 vr[16];                                                                       \
+            _Pragma("GCC unroll 16")                                                             \
+            for (int c = 0; c < CH; c++) vr[c] = LOADV(v, row + 16 * c);                         \
+            _Pragma("GCC unroll 24")                                                             \
+            for (int j = 0; j < HB; j++) {                                                       \
+                if (j < n) {                                                                     \
+                    const __m512 p = _mm512_set1_ps(scores[(g0 + j) * padded + t]);              \
+                    _Pragma("GCC unroll 16")                                                     \
+                    for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_fmadd_ps(p, vr[c], acc[j * CH + c]); \
+                }                                                                                \
+            }                                                                                    \
+        } END_EACH_TOKEN                                                                         \
+        _Pragma("GCC unroll 24")                                                                 \
+        for (int j = 0; j < HB; j++)                                                             \
+            if (j < n)                                                                           \
+                _Pragma("GCC unroll 16")                                                         \
+                for (int c = 0; c < CH; c++) _mm512_storeu_ps(oh + (g0 + j) * head_dim + 16 * c, acc[j * CH + c]); \
+    }                                                                                            \
+}
+
+#define TASK_CASE(TASK, CH) case CH: TASK(CH, qh, oh, k, v, table, len, group, kv_heads, kh, block_size, \
+                                         scale, scores, padded); break;
+
+#define DEFINE_AVX512_DECODE(NAME, TASK)                                                         \
 DECODE_FN(NAME) {                                                                                \
-    const int64_t group = heads / kv_heads, chunks = head_dim / 16;                              \
+    const int64_t group = heads / kv_heads;                                                      \
     int failed = 0;                                                                              \
     FOR_EACH_TASK                                                                                \
             const int64_t padded = (len + 15) / 16 * 16;                                         \
             float *scores = aligned_alloc(64, sizeof(float) * (size_t)(padded > 0 ? padded * group : 16)); \
             if (scores == NULL) { failed = 1; continue; }                                        \
-            FOR_EACH_TOKEN(t, row) {                                                             \
-                for (int64_t g = 0; g < group; g++) {                                            \
-                    const float *qg = qh + g * head_dim;                                         \
-                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), LOADV(k, row));              \
-                    for (int64_t c = 1; c < chunks; c++)                                         \
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), LOADV(k, row + 16 * c), acc); \
-                    scores[g * padded + t] = _mm512_reduce_add_ps(acc) * scale;                  \
-                }                                                                                \
-            } END_EACH_TOKEN                                                                     \
-            for (int64_t g = 0; g < group; g++) {                                                \
-                float *sg = scores + g * padded;                                                 \
-                for (int64_t t = len; t < padded; t++) sg[t] = -INFINITY;                        \
-                __m512 mv = _mm512_set1_ps(-INFINITY);                                           \
-                for (int64_t t = 0; t < padded; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sg + t)); \
-                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));                       \
-                __m512 total = _mm512_setzero_ps();                                              \
-                for (int64_t t = 0; t < padded; t += 16) {                                       \
-                    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sg + t), m));  \
-                    _mm512_store_ps(sg + t, e);                                                  \
-                    total = _mm512_add_ps(total, e);                                             \
-                }                                                                                \
-                const float sum = _mm512_reduce_add_ps(total);                                   \
-                const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);              \
-                for (int64_t t = 0; t < padded; t += 16)                                         \
-                    _mm512_store_ps(sg + t, _mm512_mul_ps(_mm512_load_ps(sg + t), inv));         \
-            }                                                                                    \
-            for (int64_t g = 0; g < group; g++) {                                                \
-                const float *sg = scores + g * padded;                                           \
-                __m512 acc[MAX_CHUNKS];                                                          \
-                for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();               \
-                FOR_EACH_TOKEN(t, row) {                                                         \
-                    const __m512 p = _mm512_set1_ps(sg[t]);                                      \
-                    for (int64_t c = 0; c < chunks; c++)                                         \
-                        acc[c] = _mm512_fmadd_ps(p, LOADV(v, row + 16 * c), acc[c]);             \
-                } END_EACH_TOKEN                                                                 \
-                for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(oh + g * head_dim + 16 * c, acc[c]); \
+            switch (head_dim / 16) {                                                             \
+                TASK_CASE(TASK, 1) TASK_CASE(TASK, 2) TASK_CASE(TASK, 3) TASK_CASE(TASK, 4)      \
+                TASK_CASE(TASK, 5) TASK_CASE(TASK, 6) TASK_CASE(TASK, 7) TASK_CASE(TASK, 8)      \
+                TASK_CASE(TASK, 9) TASK_CASE(TASK, 10) TASK_CASE(TASK, 11) TASK_CASE(TASK, 12)   \
+                TASK_CASE(TASK, 13) TASK_CASE(TASK, 14) TASK_CASE(TASK, 15) TASK_CASE(TASK, 16)  \
+                default: break;                                                                  \
             }                                                                                    \
             free(scores);                                                                        \
         }                                                                                        \
@@ -163,8 +208,10 @@ DECODE_FN(NAME) {                                                               
     return failed;                                                                               \
 }
 
-DEFINE_AVX512_DECODE(avx512_decode_f32, loadv_f32)
-DEFINE_AVX512_DECODE(avx512_decode_bf16, loadv_bf16)
+DEFINE_AVX512_TASK(avx512_task_f32, loadv_f32)
+DEFINE_AVX512_TASK(avx512_task_bf16, loadv_bf16)
+DEFINE_AVX512_DECODE(avx512_decode_f32, avx512_task_f32)
+DEFINE_AVX512_DECODE(avx512_decode_bf16, avx512_task_bf16)
 #endif
 
 #ifdef HAVE_AVX512

@@ -120,13 +120,24 @@ static inline __m512 exp_nonpositive(__m512 x) {
  *   loaded once per block of heads. */
 #define HEAD_BLOCK(CH) ((CH) <= 24 ? 24 / (CH) : 1)
 
-#define DEFINE_AVX512_TASK(NAME, LOADV)                                                          \
+/* Ask for the task's rows of the next block (of a K or V cache) while this block is read: the
+ * blocks lie anywhere in the cache, and a task reads only its kv head's slice of each token row. */
+#define PREFETCH_NEXT_BLOCK(cache, elem)                                                         \
+    if (s_ == 0 && (blk_ + 1) * block_size < len) {                                             \
+        const char *next_ = (const char *)(cache) + table[blk_ + 1] * block_size * kv_heads * head_dim * (elem); \
+        for (int64_t r_ = 0; r_ < block_size; r_++)                                              \
+            for (int64_t b_ = 0; b_ < head_dim * (elem); b_ += 64)                               \
+                _mm_prefetch(next_ + ((r_ * kv_heads + kh) * head_dim) * (elem) + b_, _MM_HINT_T0); \
+    }
+
+#define DEFINE_AVX512_TASK(NAME, LOADV, ELEM)                                                          \
 static inline __attribute__((always_inline)) void NAME(                                          \
         const int CH, const float *qh, float *oh, const void *k, const void *v,                  \
         const int64_t *table, int64_t len, int64_t group, int64_t kv_heads, int64_t kh,          \
         int64_t block_size, float scale, float *scores, int64_t padded) {                        \
     const int64_t head_dim = 16 * CH;                                                            \
     FOR_EACH_TOKEN(t, row) {                                                                     \
+        PREFETCH_NEXT_BLOCK(k, ELEM)                                                             \
         __m512 kr[16];                                                                           \
         _Pragma("GCC unroll 16")                                                                 \
         for (int c = 0; c < CH; c++) kr[c] = LOADV(k, row + 16 * c);                             \
@@ -164,6 +175,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             _Pragma("GCC unroll 16")                                                             \
             for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_setzero_ps();                     \
         FOR_EACH_TOKEN(t, row) {                                                                 \
+            PREFETCH_NEXT_BLOCK(v, ELEM)                                                         \
             __m512 vr[16];                                                                       \
             _Pragma("GCC unroll 16")                                                             \
             for (int c = 0; c < CH; c++) vr[c] = LOADV(v, row + 16 * c);                         \
@@ -208,8 +220,8 @@ DECODE_FN(NAME) {                                                               
     return failed;                                                                               \
 }
 
-DEFINE_AVX512_TASK(avx512_task_f32, loadv_f32)
-DEFINE_AVX512_TASK(avx512_task_bf16, loadv_bf16)
+DEFINE_AVX512_TASK(avx512_task_f32, loadv_f32, 4)
+DEFINE_AVX512_TASK(avx512_task_bf16, loadv_bf16, 2)
 DEFINE_AVX512_DECODE(avx512_decode_f32, avx512_task_f32)
 DEFINE_AVX512_DECODE(avx512_decode_bf16, avx512_task_bf16)
 #endif

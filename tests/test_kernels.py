@@ -9,8 +9,10 @@ import torch
 from engine_helpers import greedy, make_engine, prefill_logits
 
 from tokenmill import LLM, SamplingParams, kernels
+from tokenmill.config import resolve_kv_cache_dtype
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.quant import kernel_available
 from tokenmill.models.loader import weight_forms
 
 
@@ -184,6 +186,26 @@ def test_bf16_kv_cache_on_a_float32_model(tiny_hf_model):
     assert (rounded - exact).abs().max() < 0.05 * exact.abs().max()
     with pytest.raises(TokenmillError, match="kv_cache_dtype"):
         make_engine(path, kv_cache_dtype="int8")
+
+
+@pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
+def test_kv_cache_dtype_auto_is_bf16_for_quantized_float32_on_cpu(tiny_hf_model, tiny_gguf_model):
+    """auto: the model's dtype, except float32 with quantized weights on a CPU (the speed path), which
+    gets a bfloat16 cache; an explicit kv_cache_dtype always wins."""
+    hf, gguf = tiny_hf_model("llama"), tiny_gguf_model("llama", "Q4_1")
+
+    def cache_dtype(path, **kwargs):
+        return make_engine(path, num_kv_blocks=8, **kwargs).kv_caches[0].dtype
+
+    assert cache_dtype(hf) == torch.float32                                  # dense float32: exact path
+    assert cache_dtype(hf, quantization="int8") == torch.bfloat16
+    assert cache_dtype(hf, quantization="int8", kv_cache_dtype="float32") == torch.float32
+    assert cache_dtype(gguf) == torch.bfloat16                              # GGUF types kept quantized
+    assert cache_dtype(gguf, quantization="none") == torch.float32          # dequantized at load
+    assert cache_dtype(gguf, dtype="bfloat16", kv_cache_dtype="float32") == torch.float32
+    # the rule itself, for devices this machine may lack
+    assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cuda"), True) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu"), True) == torch.bfloat16
 
 
 def test_portable_build_without_avx512(monkeypatch):

@@ -41,8 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the C decode-attention kernel on CPU where it builds; torch: the plain PyTorch "
                    "reference")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV cache element type (auto: the model's dtype); bfloat16 halves the cache's memory "
-                   "and the bytes decode attention reads")
+                   help="KV cache element type (auto: the model's dtype, but bfloat16 for float32 with quantized "
+                   "weights on CPU); bfloat16 halves the cache's memory and the bytes decode attention reads")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
                    help="default: GGUF quantized weights run quantized (CPU); none: dequantize everything; "
                    "int8 | int4: also quantize dense (float) weights at load")

@@ -162,6 +162,21 @@ QUANTIZATION_MODES = (None, "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
+                           quantized: bool) -> torch.dtype:
+    """'auto' is the model's dtype, except float32 with quantized weights on a CPU: bfloat16 there
+    (llama.cpp's default cache is 16-bit too). That path is the CPU speed path, and at many
+    concurrent requests decode attention is bound by the cache bytes it reads; a 16-bit cache halves
+    them and the pool's memory, for a mean KL of ~6e-5 on the default model (`tokenmill bench quality
+    --modes none auto auto-kv-f32`). The dense float32 path stays float32 throughout: it is the one
+    held exactly to transformers."""
+    if kv_cache_dtype != "auto":
+        return resolve_dtype(kv_cache_dtype, device)
+    if device.type == "cpu" and quantized and dtype == torch.float32:
+        return torch.bfloat16
+    return dtype
+
+
 @dataclass
 class EngineConfig:
     """How to run a model: every engine knob, validated in one place (names follow vLLM's)."""
@@ -181,7 +196,7 @@ class EngineConfig:
     show_progress: bool = False            # progress bars while loading
     quantization: str | None = None        # None: GGUF quantized weights run quantized (CPU) | "none": all
     #                                        dequantized | "int8" | "int4": dense weights quantized too
-    kv_cache_dtype: str = "auto"           # auto (the model's dtype) | float32 | bfloat16
+    kv_cache_dtype: str = "auto"           # auto (see resolve_kv_cache_dtype) | float32 | bfloat16
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

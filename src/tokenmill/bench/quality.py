@@ -23,9 +23,9 @@ import torch
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.loader import weight_forms
 
-MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-bf16")
-# auto: quantization=None (GGUF types kept quantized); bf16: dense bfloat16 (the error of plain bf16
-# inference); auto-kv-bf16: auto with kv_cache_dtype="bfloat16"
+MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32")
+# auto: quantization=None (GGUF types kept quantized; on CPU with a bfloat16 KV cache); bf16: dense
+# bfloat16 (the error of plain bf16 inference); auto-kv-f32: auto with kv_cache_dtype="float32"
 TEXT_PATH = Path(__file__).with_name("quality_text.txt")
 
 
@@ -55,8 +55,8 @@ class Scorer:
         kv_cache_dtype = "auto"
         if mode == "bf16":  # dense bf16, for scale: the error of plain bf16 inference
             mode, dtype = "none", "bfloat16"
-        elif mode == "auto-kv-bf16":
-            mode, kv_cache_dtype = "auto", "bfloat16"
+        elif mode == "auto-kv-f32":
+            mode, kv_cache_dtype = "auto", "float32"
         llm = LLM(model_path, dtype=dtype, quantization=None if mode == "auto" else mode,
                   kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-context // block_size), block_size=block_size,
                   max_num_seqs=1)
@@ -140,8 +140,9 @@ def print_quality(report: dict[str, Any]) -> None:
         forms = ", ".join(f"{k} {v}" for k, v in r["weight_forms"].items())
         print(f"{r['mode']:<{width}}{r['weights_mib']:>12.1f}{r['load_s']:>8.2f}{ppl:>20}{r['max_abs_logit_err']:>13.4f}"
               f"{r['mean_abs_logit_err']:>14.5f}{r['mean_kl']:>10.2e}{100 * r['top1_agreement']:>12.2f}%  {forms}")
-    print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized; "
-          "bf16 is the dense model in bfloat16; auto-kv-bf16 is auto with a bfloat16 KV cache")
+    print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized "
+          "(with a bfloat16 KV cache on CPU); auto-kv-f32 is auto with a float32 KV cache; bf16 is the dense model "
+          "in bfloat16")
 
 
 def add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -149,9 +150,9 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or an HF folder (default: the embedded model)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     p.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"], choices=MODES,
-                   help="quantization modes to compare (auto = GGUF types kept quantized; bf16 = dense bfloat16, "
-                   "for scale; auto-kv-bf16 = auto with a bfloat16 KV cache); none (dense, --dtype) is the "
-                   "reference")
+                   help="quantization modes to compare (auto = GGUF types kept quantized, with a bfloat16 KV "
+                   "cache on CPU; auto-kv-f32 = auto with a float32 KV cache; bf16 = dense bfloat16, for scale); none "
+                   "(dense, --dtype) is the reference")
     p.add_argument("--context", type=int, default=1024, help="tokens per window of the text")
     p.add_argument("--chunk-size", type=int, default=32,
                    help="rows per step")

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
-from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
 from tokenmill.engine.request import Request
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import TokenmillError
+from tokenmill.layers.quant import QuantWeight
 from tokenmill.models.loader import load_model
 from tokenmill.sampling import SamplingParams
 
@@ -70,8 +71,8 @@ class LLMEngine:
                                                    config.quantization)
         self.eos_token_ids = eos_token_ids
         mc: ModelConfig = self.model_config
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype,
-                                                                                         self.device)
+        quantized = any(isinstance(m, QuantWeight) for m in self.model.modules())
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, quantized)
         per_token = kv_bytes_per_token(mc, self.kv_dtype)
         block_bytes = per_token * config.block_size
         if config.num_kv_blocks is not None:

@@ -116,12 +116,13 @@ static inline __m512 exp_nonpositive(__m512 x) {
  * or V row and the accumulators stay in registers:
  *   scores: the token's K row is loaded once for the group's query heads;
  *   softmax over the padded score rows;
- *   V sums: heads in blocks of HB (HB * CH accumulators: independent FMA chains), the V row
- *   loaded once per block of heads. */
-#define HEAD_BLOCK(CH) ((CH) <= 24 ? 24 / (CH) : 1)
+ *   V sums: heads in blocks of HB = 24 / CH (HB * CH <= 24 accumulators: independent FMA chains),
+ *   the V row loaded once per block of heads. */
+#define HEAD_BLOCK(CH) (24 / (CH))
 
-/* Ask for the task's rows of the next block (of a K or V cache) while this block is read: the
- * blocks lie anywhere in the cache, and a task reads only its kv head's slice of each token row. */
+/* Inside FOR_EACH_TOKEN (its blk_ and s_): at a block's first token, ask for the task's rows of the
+ * next block of a K or V cache; the blocks lie anywhere in the cache, and a task reads only its kv
+ * head's slice of each token row, which the hardware prefetcher does not follow. */
 #define PREFETCH_NEXT_BLOCK(cache, elem)                                                         \
     if (s_ == 0 && (blk_ + 1) * block_size < len) {                                             \
         const char *next_ = (const char *)(cache) + table[blk_ + 1] * block_size * kv_heads * head_dim * (elem); \

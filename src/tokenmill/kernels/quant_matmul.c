@@ -210,10 +210,9 @@ static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *
                            int nrows) {                                                             \
     const int64_t gbytes = bits * GROUP * TILE / 8;                                                 \
     const __m512i low = _mm512_set1_epi8(15);                                                       \
-    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-variable\"")          \
+    enum { ROWS = MB };                                                                             \
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0,          \
            acc5 = acc0, acc6 = acc0, acc7 = acc0;                                                   \
-    _Pragma("GCC diagnostic pop")                                                                   \
     for (int64_t g = 0; g < groups; g++) {                                                          \
         const uint8_t *tg = w + (t * groups + g) * gbytes;                                          \
         __m512i u[8];                                                                               \
@@ -231,26 +230,19 @@ static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + sg)));           \
         const int8_t *qg = q + g * GROUP;                                                           \
         const float *dxg = dx + g, *bxg = bx + g;                                                   \
-        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")         \
-        ROWS_8(TILE_ROW_GROUP_##MB)                                                                 \
-        _Pragma("GCC diagnostic pop")                                                               \
+        ROWS_8(ROW_GROUP)                                                                           \
     }                                                                                               \
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);                                          \
-    ROWS_8(TILE_ROW_STORE_##MB)                                                                     \
+    ROWS_8(ROW_STORE)                                                                               \
 }
-#define ROW_GROUP(i) acc##i = row_group(acc##i, u, qg + (i) * 2 * k, k, dv, mv, dxg[(i) * groups], bxg[(i) * groups]);
+/* Row i of the block, if the block has that many rows (ROWS is a constant: dead rows compile away). */
+#define ROW_GROUP(i)                                                                                \
+    if ((i) < ROWS) acc##i = row_group(acc##i, u, qg + (i) * 2 * k, k, dv, mv, dxg[(i) * groups], bxg[(i) * groups]);
 #define ROW_STORE(i)                                                                                \
-    if (res != NULL) acc##i = _mm512_add_ps(acc##i, _mm512_maskz_loadu_ps(mask, res + (i) * ldy));   \
-    _mm512_mask_storeu_ps(y + (i) * ldy, mask, acc##i);
-#define ROW_IF(MB, i, X) if ((i) < (MB)) { X(i) }
-#define TILE_ROW_GROUP_1(i) ROW_IF(1, i, ROW_GROUP)
-#define TILE_ROW_GROUP_2(i) ROW_IF(2, i, ROW_GROUP)
-#define TILE_ROW_GROUP_4(i) ROW_IF(4, i, ROW_GROUP)
-#define TILE_ROW_GROUP_8(i) ROW_IF(8, i, ROW_GROUP)
-#define TILE_ROW_STORE_1(i) ROW_IF(1, i, ROW_STORE)
-#define TILE_ROW_STORE_2(i) ROW_IF(2, i, ROW_STORE)
-#define TILE_ROW_STORE_4(i) ROW_IF(4, i, ROW_STORE)
-#define TILE_ROW_STORE_8(i) ROW_IF(8, i, ROW_STORE)
+    if ((i) < ROWS) {                                                                               \
+        if (res != NULL) acc##i = _mm512_add_ps(acc##i, _mm512_maskz_loadu_ps(mask, res + (i) * ldy)); \
+        _mm512_mask_storeu_ps(y + (i) * ldy, mask, acc##i);                                         \
+    }
 DEFINE_TILE_VNNI(1)
 DEFINE_TILE_VNNI(2)
 DEFINE_TILE_VNNI(4)

@@ -66,6 +66,42 @@ def test_kernel_equals_exact_attention(generic, dtype, heads, kv_heads, head_dim
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
 
 
+def exact_prefill(q, cache, table, seq_len, block_size, scale):
+    """float64 causal attention of q [n, heads, d] (the last n of seq_len positions) over one request."""
+    n, heads = q.shape[0], q.shape[1]
+    pos = torch.arange(seq_len)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    group = heads // cache.shape[3]
+    k = cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)   # [L, heads, d]
+    v = cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    scores.masked_fill_(pos[None, :] > torch.arange(seq_len - n, seq_len)[:, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16),
+                          (2, 1, 80, 16)])
+@pytest.mark.parametrize(("seq_len", "num_q"), [(1, 1), (17, 17), (100, 100), (333, 5), (64, 63), (40, 1)])
+def test_prefill_kernel_equals_exact_attention(dtype, heads, kv_heads, head_dim, block_size, seq_len, num_q):
+    """A whole prompt (num_q == seq_len) and a chunk after cached tokens (num_q < seq_len); row blocks
+    of 4 with a partial last one, keys past a row's position masked, blocks anywhere in the cache."""
+    if not kernels.load().quant_matmul_has_simd():
+        pytest.skip("the prefill kernel is AVX-512 only (SDPA runs elsewhere)")
+    q, cache, tables, _ = random_paged_batch([seq_len], heads, kv_heads, head_dim, block_size, dtype, seed=seq_len)
+    q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5)
+    assert got is not None and got.dtype == torch.float32 and got.shape == q.shape
+    expected = exact_prefill(q, cache, tables[0], seq_len, block_size, head_dim**-0.5)
+    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_kernel_declines_other_head_dims():
+    q, cache, tables, _ = random_paged_batch([20], 2, 1, 40, 16, torch.float32)
+    assert kernels.paged_prefill(torch.randn(20, 2, 40), cache[0], cache[1], tables[0], 20, 0.1) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_backend_equals_torch_backend_in_the_layer(dtype):
     lens = [5, 48, 200, 7, 129]

@@ -55,6 +55,7 @@ _DIR = Path(__file__).parent
 # decode attention entry points by KV-cache dtype
 _DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _ROTARY_DECODE_FN = {torch.float32: "paged_decode_rotary_f32", torch.bfloat16: "paged_decode_rotary_bf16"}
+_PREFILL_FN = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
 
 
 def _compile(compiler: str) -> Path:
@@ -104,6 +105,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = i32
     for name in _ROTARY_DECODE_FN.values():
         getattr(lib, name).argtypes = [ptr] * 6 + args[3:]
+        getattr(lib, name).restype = i32
+    for name in _PREFILL_FN.values():
+        getattr(lib, name).argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr] + [i64] * 4 + [f32, i32]
         getattr(lib, name).restype = i32
     lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.quant_matmul.restype = i32
@@ -170,6 +174,26 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if failed:
         raise MemoryError("paged decode attention: out of memory")
     return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_len: int, scale: float) -> torch.Tensor | None:
+    """Causal attention of one request's query rows q [n, heads, head_dim] (its last n positions of
+    seq_len) over its paged K/V (block_table [>= ceil(seq_len / block_size)] int64) -> fp32 [n, heads,
+    head_dim]; None where the kernel does not apply (no AVX-512 build, head_dim not a multiple of 16):
+    the caller runs SDPA. Caller checks supports_paged_decode(k_cache) first."""
+    lib = load()
+    q = q.float().contiguous()
+    block_table = block_table.contiguous()
+    num_q, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    status = getattr(lib, _PREFILL_FN[k_cache.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), seq_len, num_q, out.data_ptr(),
+        heads, kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    if status == 1:
+        raise MemoryError("paged prefill attention: out of memory")
+    return None if status < 0 else out
 
 
 # ---------------------------------------------------------------------------------- quantized matmul

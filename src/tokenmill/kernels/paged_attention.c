@@ -302,3 +302,146 @@ int NAME(const float *qkv, const float *cos, const float *sin, const int64_t *sl
 
 DEFINE_ROTARY_ENTRY(paged_decode_rotary_f32, f32, store_f32)
 DEFINE_ROTARY_ENTRY(paged_decode_rotary_bf16, bf16, store_bf16)
+
+/* ---- prefill attention: one request's num_q query rows (the last num_q positions of its
+ * seq_len tokens, causal) over its paged K/V ----
+ * q, out [num_q, heads, head_dim] fp32. The request's K/V of each kv head are first gathered into
+ * fp32 scratch (K transposed: [head_dim][L16 + 16], so 16 keys' scores are one vector FMA per dim; V
+ * [L16][head_dim]); then tasks of (query head, 4 query rows) score, softmax and sum V with the
+ * rows' accumulators in registers. Keys past a row's position get probability 0 (exp(-inf)).
+ * AVX-512 only (head_dim a multiple of 16, at most 16 * MAX_CHUNKS): returns -1 where it does not
+ * apply (the caller then runs SDPA), 1 if out of memory, 0 on success. */
+#ifdef HAVE_AVX512
+#define PREFILL_ROWS 4
+
+static inline __attribute__((always_inline)) void prefill_task(
+        const int CH, const float *q, float *out, const float *kt, const float *vv, int64_t L16, int64_t KS,
+        int64_t seq_len, int64_t num_q, int64_t heads, int64_t h, int64_t r0, float scale, float *s) {
+    const int64_t head_dim = 16 * CH, first = seq_len - num_q;
+    const int64_t rows = num_q - r0 < PREFILL_ROWS ? num_q - r0 : PREFILL_ROWS;
+    const int64_t last = first + r0 + rows - 1;              /* the block's last position */
+    const int64_t nkeys = last + 1, nblk = (nkeys + 15) / 16;
+    const float *qr[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; r++) qr[r] = q + ((r0 + (r < rows ? r : 0)) * heads + h) * head_dim;
+    /* scores: s[r][j] for j < 16 nblk, -inf past the row's position */
+    for (int64_t b0 = 0; b0 < nblk; b0 += 2) {    /* two key blocks at once: 8 independent FMA chains */
+        __m512 acc[2 * PREFILL_ROWS];
+        for (int i = 0; i < 2 * PREFILL_ROWS; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d++) {  /* kt rows have a zero block past L16 (odd nblk) */
+            const __m512 k0 = _mm512_loadu_ps(kt + d * KS + 16 * b0), k1 = _mm512_loadu_ps(kt + d * KS + 16 * b0 + 16);
+            for (int r = 0; r < PREFILL_ROWS; r++) {
+                const __m512 qd = _mm512_set1_ps(qr[r][d]);
+                acc[2 * r] = _mm512_fmadd_ps(qd, k0, acc[2 * r]);
+                acc[2 * r + 1] = _mm512_fmadd_ps(qd, k1, acc[2 * r + 1]);
+            }
+        }
+        for (int64_t b = b0; b < b0 + 2 && b < nblk; b++)
+            for (int r = 0; r < PREFILL_ROWS; r++) {
+                const int64_t pos = first + r0 + r;
+                const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int)(16 * b)),
+                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                const __mmask16 ok = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int)pos));
+                _mm512_storeu_ps(s + r * L16 + 16 * b, _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY),
+                                 _mm512_mul_ps(acc[2 * r + (b - b0)], _mm512_set1_ps(scale))));
+            }
+    }
+    float inv[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; r++) {
+        float *sr = s + r * L16;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t b = 0; b < nblk; b++) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + 16 * b));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblk; b++) {
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * b), m));
+            _mm512_storeu_ps(sr + 16 * b, e);
+            total = _mm512_add_ps(total, e);
+        }
+        const float sum = _mm512_reduce_add_ps(total);
+        inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    /* out rows: sum over keys of p V, accumulators [rows][CH] in registers */
+    __m512 acc[PREFILL_ROWS * 16];
+    _Pragma("GCC unroll 64")
+    for (int i = 0; i < PREFILL_ROWS * CH; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nkeys; j++) {
+        __m512 vr[16];
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < CH; c++) vr[c] = _mm512_loadu_ps(vv + j * head_dim + 16 * c);
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < PREFILL_ROWS; r++) {
+            const __m512 p = _mm512_set1_ps(s[r * L16 + j]);
+            _Pragma("GCC unroll 16")
+            for (int c = 0; c < CH; c++) acc[r * CH + c] = _mm512_fmadd_ps(p, vr[c], acc[r * CH + c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < CH; c++)
+            _mm512_storeu_ps(out + ((r0 + r) * heads + h) * head_dim + 16 * c,
+                             _mm512_mul_ps(acc[r * CH + c], _mm512_set1_ps(inv[r])));
+}
+
+#define PREFILL_CASE(CH) case CH: prefill_task(CH, q, out, kt + kh * head_dim * KS, vv + kh * L16 * head_dim, L16, KS, \
+                                               seq_len, num_q, heads, h, r0, scale, s); break;
+
+#define DEFINE_PREFILL(NAME, LOAD)                                                               \
+int NAME(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,    \
+         int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
+         int64_t block_size, float scale, int num_threads) {                                     \
+    if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS || num_q > seq_len) return -1;          \
+    const int64_t L16 = (seq_len + 15) / 16 * 16, KS = L16 + 16, group = heads / kv_heads;       \
+    const int64_t row_blocks = (num_q + PREFILL_ROWS - 1) / PREFILL_ROWS;                        \
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * head_dim * KS));           \
+    float *vv = aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * L16 * head_dim));         \
+    if (kt == NULL || vv == NULL) { free(kt); free(vv); return 1; }                              \
+    int failed = 0;                                                                              \
+    _Pragma("omp parallel num_threads(num_threads)")                                             \
+    {                                                                                            \
+        _Pragma("omp for collapse(2) schedule(static)")                                          \
+        for (int64_t kh = 0; kh < kv_heads; kh++)                                                \
+            for (int64_t t = 0; t < KS; t++) {                                                   \
+                const int64_t row = t < seq_len ? ((table[t / block_size] * block_size + t % block_size) \
+                                                   * kv_heads + kh) * head_dim : -1;             \
+                for (int64_t d = 0; d < head_dim; d++) {                                         \
+                    const float kx = row >= 0 ? LOAD(k, row + d) : 0.0f;                         \
+                    kt[(kh * head_dim + d) * KS + t] = kx;                                       \
+                    if (t < L16) vv[(kh * L16 + t) * head_dim + d] = row >= 0 ? LOAD(v, row + d) : 0.0f; \
+                }                                                                                \
+            }                                                                                    \
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)(PREFILL_ROWS * L16));              \
+        if (s == NULL) {                                                                         \
+            _Pragma("omp atomic write")                                                          \
+            failed = 1;                                                                          \
+        }                                                                                        \
+        /* later row blocks see more keys: hand them out first, dynamically */                   \
+        _Pragma("omp for schedule(dynamic)")                                                     \
+        for (int64_t task = 0; task < heads * row_blocks; task++) {                              \
+            if (s == NULL) continue;                                                             \
+            const int64_t h = task % heads, r0 = (row_blocks - 1 - task / heads) * PREFILL_ROWS; \
+            const int64_t kh = h / group;                                                        \
+            switch (head_dim / 16) {                                                             \
+                PREFILL_CASE(1) PREFILL_CASE(2) PREFILL_CASE(3) PREFILL_CASE(4)                  \
+                PREFILL_CASE(5) PREFILL_CASE(6) PREFILL_CASE(7) PREFILL_CASE(8)                  \
+                PREFILL_CASE(9) PREFILL_CASE(10) PREFILL_CASE(11) PREFILL_CASE(12)               \
+                PREFILL_CASE(13) PREFILL_CASE(14) PREFILL_CASE(15) PREFILL_CASE(16)              \
+                default: break;                                                                  \
+            }                                                                                    \
+        }                                                                                        \
+        free(s);                                                                                 \
+    }                                                                                            \
+    free(kt); free(vv);                                                                          \
+    return failed;                                                                               \
+}
+#else
+#define DEFINE_PREFILL(NAME, LOAD)                                                               \
+int NAME(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,    \
+         int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
+         int64_t block_size, float scale, int num_threads) {                                     \
+    (void)q; (void)k; (void)v; (void)table; (void)seq_len; (void)num_q; (void)out; (void)heads;  \
+    (void)kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)num_threads;            \
+    return -1;                                                                                   \
+}
+#endif
+
+DEFINE_PREFILL(paged_prefill_f32, load_f32)
+DEFINE_PREFILL(paged_prefill_bf16, load_bf16)

@@ -130,14 +130,21 @@ class Attention(nn.Module):
 
     def _varlen(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, requests: list[int], out: torch.Tensor) -> None:
-        """Requests with several query rows (prefill chunks): one causal SDPA call each, into `out`."""
+        """Requests with several query rows (prefill chunks), each into `out`: the C prefill kernel
+        (backend auto, CPU cache, AVX-512 build), else one causal SDPA call each."""
         starts = meta.query_start_loc
+        kernel = self.backend == "auto" and kernels.supports_paged_decode(k_cache)
         for b in requests:
             seq_len = meta.seq_lens[b]
             q_start, q_end = starts[b], starts[b + 1]
             num_q = q_end - q_start
             num_blocks = -(-seq_len // meta.block_size)
             blocks = meta.block_tables[b, :num_blocks]
+            if kernel:   # the C kernel (AVX-512 builds); None: it does not apply here, SDPA below
+                o = kernels.paged_prefill(q[q_start:q_end], k_cache, v_cache, blocks, seq_len, self.scale)
+                if o is not None:
+                    out[q_start:q_end] = o.to(out.dtype)
+                    continue
             keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)     # [kv_heads, L, hd]
             values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
             query = q[q_start:q_end].transpose(0, 1)                            # [heads, n, hd]

@@ -34,15 +34,20 @@ def random_paged_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int
     return q, cache, block_tables, torch.tensor(lens)
 
 
+def gather_exact(cache, table, n, block_size, heads):
+    """A request's first n K and V rows, one token at a time from its block table, in float64 and
+    repeated per query head: two [n, heads, d] tensors."""
+    pos = torch.arange(n)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    group = heads // cache.shape[3]
+    return tuple(c.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1) for c in cache)
+
+
 def exact_decode(q, cache, block_tables, seq_lens, block_size, scale):
-    """float64 attention of each query over its request's slots, gathered one token at a time."""
-    heads, kv_heads = q.shape[1], cache.shape[3]
+    """float64 attention of each query over its request's slots."""
     out = []
     for b, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n)
-        slots = block_tables[b][pos // block_size] * block_size + pos % block_size
-        k = cache[0].flatten(0, 1)[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, d]
-        v = cache[1].flatten(0, 1)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        k, v = gather_exact(cache, block_tables[b], n, block_size, q.shape[1])
         probs = (torch.einsum("hd,nhd->hn", q[b].double(), k) * scale).softmax(-1)
         out.append(torch.einsum("hn,nhd->hd", probs, v))
     return torch.stack(out)
@@ -68,14 +73,10 @@ def test_kernel_equals_exact_attention(generic, dtype, heads, kv_heads, head_dim
 
 def exact_prefill(q, cache, table, seq_len, block_size, scale):
     """float64 causal attention of q [n, heads, d] (the last n of seq_len positions) over one request."""
-    n, heads = q.shape[0], q.shape[1]
-    pos = torch.arange(seq_len)
-    slots = table[pos // block_size] * block_size + pos % block_size
-    group = heads // cache.shape[3]
-    k = cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)   # [L, heads, d]
-    v = cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+    n = q.shape[0]
+    k, v = gather_exact(cache, table, seq_len, block_size, q.shape[1])   # [L, heads, d]
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
-    scores.masked_fill_(pos[None, :] > torch.arange(seq_len - n, seq_len)[:, None], float("-inf"))
+    scores.masked_fill_(torch.arange(seq_len)[None, :] > torch.arange(seq_len - n, seq_len)[:, None], float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 

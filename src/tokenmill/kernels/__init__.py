@@ -213,11 +213,10 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, of
         residual = residual.float().contiguous()
         assert residual.shape == y.shape
     k = x.shape[1] // 2 if gated else x.shape[1]
-    if load().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(),
-                                 offsets.data_ptr(), out_features, bits, int(gated),
-                                 None if norm_w is None else norm_w.data_ptr(), eps,
-                                 None if residual is None else residual.data_ptr(), y.data_ptr(), int(generic),
-                                 torch.get_num_threads()):
+    if load().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                           out_features, bits, int(gated), None if norm_w is None else norm_w.data_ptr(), eps,
+                           None if residual is None else residual.data_ptr(), y.data_ptr(), int(generic),
+                           torch.get_num_threads()):
         raise MemoryError("quantized matmul: out of memory for the activation buffer")
     return y
 
@@ -228,7 +227,7 @@ def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), in_features)
     load().quant_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), in_features, bits,
-                            ids.data_ptr(), ids.numel(), out.data_ptr())
+                      ids.data_ptr(), ids.numel(), out.data_ptr())
     return out
 
 
@@ -265,7 +264,7 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """A decode step through every layer of `plan`: x [B, hidden] fp32 (a new tensor is returned),
     cos/sin [B, head_dim] (full-width rotary tables at each row's position), slots [B]."""
-    lib = _library()
+    lib = load()
     x = x.float().contiguous().clone()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     if lib.decode_stack(plan.layers, plan._ptrs, plan._bits, x.data_ptr(), x.shape[0], plan.hidden,

@@ -112,6 +112,21 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, exp512(x));
 }
 
+/* Softmax numerators of a score row of `blocks` x 16 (past-the-end lanes -inf): s = exp(s - max),
+ * in place; returns their sum. */
+static inline float exp_minus_max(float *s, int64_t blocks) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < blocks; b++) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + 16 * b));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * b), m));
+        _mm512_storeu_ps(s + 16 * b, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+
 /* One (request, kv head) task with CH = head_dim / 16 known at compile time, so that a token's K
  * or V row and the accumulators stay in registers:
  *   scores: the token's K row is loaded once for the group's query heads;
@@ -153,16 +168,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t g = 0; g < group; g++) {                                                        \
         float *sg = scores + g * padded;                                                         \
         for (int64_t t = len; t < padded; t++) sg[t] = -INFINITY;                                \
-        __m512 mv = _mm512_set1_ps(-INFINITY);                                                   \
-        for (int64_t t = 0; t < padded; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sg + t)); \
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));                               \
-        __m512 total = _mm512_setzero_ps();                                                      \
-        for (int64_t t = 0; t < padded; t += 16) {                                               \
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sg + t), m));          \
-            _mm512_store_ps(sg + t, e);                                                          \
-            total = _mm512_add_ps(total, e);                                                     \
-        }                                                                                        \
-        const float sum = _mm512_reduce_add_ps(total);                                           \
+        const float sum = exp_minus_max(sg, padded / 16);                                        \
         const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);                      \
         for (int64_t t = 0; t < padded; t += 16)                                                 \
             _mm512_store_ps(sg + t, _mm512_mul_ps(_mm512_load_ps(sg + t), inv));                 \
@@ -347,17 +353,7 @@ static inline __attribute__((always_inline)) void prefill_task(
     }
     float inv[PREFILL_ROWS];
     for (int r = 0; r < PREFILL_ROWS; r++) {
-        float *sr = s + r * L16;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t b = 0; b < nblk; b++) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + 16 * b));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nblk; b++) {
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * b), m));
-            _mm512_storeu_ps(sr + 16 * b, e);
-            total = _mm512_add_ps(total, e);
-        }
-        const float sum = _mm512_reduce_add_ps(total);
+        const float sum = exp_minus_max(s + r * L16, nblk);
         inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
     }
     /* out rows: sum over keys of p V, accumulators [rows][CH] in registers */

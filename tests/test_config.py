@@ -1,4 +1,5 @@
-"""dtype 'auto' follows the hardware: bf16 only where the CPU multiplies bf16 natively."""
+"""dtype 'auto' follows the hardware: bf16 only where the CPU multiplies bf16 natively, and float32 for
+quantized execution on a CPU (its kernels take float32 activations)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from tokenmill import TokenmillError, config
 def test_auto_dtype_on_cpu_follows_bf16_support(monkeypatch, fast_bf16, expected):
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: fast_bf16)
     assert config.resolve_dtype("auto", torch.device("cpu")) == expected
+
+
+def test_auto_dtype_is_float32_for_quantized_execution_on_cpu(monkeypatch):
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    assert config.resolve_dtype("auto", torch.device("cpu"), quantized=True) == torch.float32
+    assert config.resolve_dtype("auto", torch.device("cpu"), quantized=False) == torch.bfloat16
+    assert config.resolve_dtype("bfloat16", torch.device("cpu"), quantized=True) == torch.bfloat16
 
 
 def test_auto_dtype_on_cuda_is_bf16(monkeypatch):

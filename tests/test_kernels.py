@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_helpers import greedy, make_engine, prefill_logits
 
-from tokenmill import LLM, SamplingParams, kernels
+from tokenmill import LLM, SamplingParams, config, kernels
 from tokenmill.config import resolve_kv_cache_dtype
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import Attention
@@ -243,6 +243,24 @@ def test_kv_cache_dtype_auto_is_bf16_for_quantized_float32_on_cpu(tiny_hf_model,
     # the rule itself, for devices this machine may lack
     assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cuda"), True) == torch.float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu"), True) == torch.bfloat16
+
+
+def test_auto_dtype_is_float32_when_weights_run_quantized(monkeypatch, tiny_hf_model, tiny_gguf_model):
+    """On a CPU with bf16 units, dtype auto is bfloat16 for dense weights but float32 where the weights
+    run quantized (GGUF quantized types, --quantization int8/int4): those kernels take float32
+    activations, and the decode stack is float32 only."""
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    hf, gguf_q, gguf_f32 = tiny_hf_model("llama"), tiny_gguf_model("llama", "Q4_1"), tiny_gguf_model("llama", "F32")
+
+    def dtype(path, dtype="auto", **kwargs):
+        return make_engine(path, dtype, num_kv_blocks=8, **kwargs).dtype
+
+    assert dtype(hf) == torch.bfloat16
+    assert dtype(hf, quantization="int4") == torch.float32
+    assert dtype(gguf_q) == torch.float32
+    assert dtype(gguf_q, quantization="none") == torch.bfloat16          # dequantized at load: dense
+    assert dtype(gguf_f32) == torch.bfloat16
+    assert dtype(gguf_q, dtype="bfloat16") == torch.bfloat16            # an explicit dtype wins
 
 
 def test_portable_build_without_avx512(monkeypatch):

@@ -283,9 +283,10 @@ def exact_kernels(monkeypatch):
 ])
 def test_tiny_gguf_quantized_greedy_equals_dequantized(kind, ftype, forms, tiny_gguf_model, exact_kernels):
     path = str(tiny_gguf_model(kind, ftype))
-    quantized = LLM(path, num_kv_blocks=64, kv_cache_dtype="float32")   # the reference's cache, to isolate weights
+    # float32 and the reference's cache for both, to isolate the weights
+    quantized = LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="float32")
     assert weight_forms(quantized.engine.model) == forms
-    reference = LLM(path, quantization="none", num_kv_blocks=64)
+    reference = LLM(path, dtype="float32", quantization="none", num_kv_blocks=64)
     assert weight_forms(reference.engine.model) == {"dense": sum(forms.values())}
     ref_modules = dict(reference.engine.model.named_modules())
     for name, q in quantized.engine.model.named_modules():
@@ -307,9 +308,9 @@ def test_tiny_hf_quantized_at_load_computes_its_quantized_weights(mode, tiny_hf_
     """Dense checkpoints quantized at load: every projection and the tied LM head quantized; the model
     equals the dense model whose weights are replaced by their quantized values."""
     path = str(tiny_hf_model("smollm"))
-    quantized = LLM(path, quantization=mode, num_kv_blocks=64, kv_cache_dtype="float32")  # the reference's cache
+    quantized = LLM(path, dtype="float32", quantization=mode, num_kv_blocks=64, kv_cache_dtype="float32")
     assert weight_forms(quantized.engine.model) == {mode: 9}
-    reference = LLM(path, num_kv_blocks=64)
+    reference = LLM(path, dtype="float32", num_kv_blocks=64)
     with torch.no_grad():
         for module in reference.engine.model.modules():
             if isinstance(module, (Linear, Embedding)):

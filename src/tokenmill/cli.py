@@ -24,7 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="load the tokenizer from another .gguf file or HF folder")
     g.add_argument("--dtype", default="auto",
-                   help="auto (bf16 where the hardware has it, else fp32) | float32 | bfloat16 | float16 (CUDA)")
+                   help="auto (fp32 for quantized weights on CPU, else bf16 where the hardware has it, else fp32)"
+                        " | float32 | bfloat16 | float16 (CUDA)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

@@ -19,7 +19,7 @@ import torch
 from tokenmill.errors import CheckpointError, UnsupportedModelError
 
 # GGML types we can turn into a torch tensor: plain floats and the common block quantizations.
-_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 SUPPORTED_QUANT_TYPES = frozenset(
     ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
      "IQ4_NL", "IQ4_XS"]
@@ -137,7 +137,7 @@ class GGUFCheckpoint:
         t = self._tensors[name]
         qtype = t.tensor_type.name
         shape = self.tensor_shape(name)
-        if qtype in _FLOAT_TYPES:
+        if qtype in FLOAT_TYPES:
             data = np.array(t.data)  # a private copy: the memory map is read-only
             if qtype == "BF16":
                 raw = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
@@ -147,7 +147,7 @@ class GGUFCheckpoint:
         if qtype not in SUPPORTED_QUANT_TYPES:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {name!r} has GGML type {qtype}, which tokenmill does not support "
-                f"(supported: {', '.join(sorted([*_FLOAT_TYPES, *SUPPORTED_QUANT_TYPES]))})"
+                f"(supported: {', '.join(sorted([*FLOAT_TYPES, *SUPPORTED_QUANT_TYPES]))})"
             )
         rows = int(np.prod(shape[:-1]))
         blocks = GGUFBlocks(qtype, (rows, shape[-1]), torch.from_numpy(np.array(t.data).reshape(rows, -1)))

@@ -21,7 +21,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
-from tokenmill.models.loader import load_model
+from tokenmill.models.loader import load_model, runs_quantized
 from tokenmill.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class LLMEngine:
     def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int]):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, runs_quantized(ckpt, config.quantization, self.device))
         self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
                                                    config.quantization)
         self.eos_token_ids = eos_token_ids

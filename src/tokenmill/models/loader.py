@@ -36,6 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
+from tokenmill.checkpoint.gguf import FLOAT_TYPES
 from tokenmill.config import ConfigFields, ModelConfig
 from tokenmill.errors import CheckpointError, TokenmillError
 from tokenmill.layers.gguf_quant import FOUR_BIT_TYPES, gguf_to_blocks
@@ -80,6 +81,16 @@ def weight_forms(model: nn.Module) -> dict[str, int]:
             form = "dense" if q is None else f"int{q.bits}"
             forms[form] = forms.get(form, 0) + 1
     return dict(sorted(forms.items()))
+
+
+def runs_quantized(ckpt: GGUFCheckpoint | HFCheckpoint, quantization: str | None, device: torch.device) -> bool:
+    """Whether load_model will hold weights quantized: modes int8/int4, or a GGUF with quantized types
+    in the default mode (known before loading, so that the compute dtype can follow it)."""
+    mode = _check_quantization(quantization, device)
+    if mode != "auto":
+        return mode != "none"
+    return isinstance(ckpt, GGUFCheckpoint) and any(
+        ckpt.tensor_type(name) not in FLOAT_TYPES for name in ckpt.tensor_names())
 
 
 def _check_quantization(quantization: str | None, device: torch.device) -> str:

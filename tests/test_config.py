@@ -22,9 +22,20 @@ def test_auto_dtype_is_float32_for_quantized_execution_on_cpu(monkeypatch):
     assert config.resolve_dtype("bfloat16", torch.device("cpu"), quantized=True) == torch.bfloat16
 
 
-def test_auto_dtype_on_cuda_is_bf16(monkeypatch):
+@pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_dtype_on_cuda_is_bf16_where_native(monkeypatch, native_bf16, expected):
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16)
+    assert config.resolve_dtype("auto", torch.device("cuda")) == expected
+    assert config.resolve_dtype("auto", torch.device("cuda"), quantized=True) == expected
+
+
+def test_cuda_device_index_is_checked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert config.resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(TokenmillError, match=r"'cuda:2' does not exist \(this machine has 2 CUDA device"):
+        config.resolve_device("cuda:2")
 
 
 def test_explicit_dtype_wins_and_fp16_is_refused_on_cpu():

@@ -15,7 +15,9 @@ from engine_helpers import greedy, make_engine, prefill_logits
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine import engine as engine_module
 from tokenmill.models.loader import weight_forms
+from tokenmill.sampling.sampler import Sampler, SamplerOutput
 
 DEVICES = [
     "cpu",
@@ -63,3 +65,40 @@ def test_default_model_on_device(device, default_gguf_path):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.parametrize(("kind", "ftype"), [("llama", None), ("gpt2", None), ("qwen2", None), ("qwen3", None),
+                                             ("llama3", "Q8_0")])   # llama3 GGUF: rope_freqs set at load
+def test_every_tensor_follows_the_engine_device(kind, ftype, monkeypatch, tiny_hf_model, tiny_gguf_model):
+    """Without a GPU, the meta device stands in for one: its tensors carry shapes and no values, and an
+    op that mixes them with CPU tensors raises, as with CUDA tensors. The engine runs its real steps
+    there (chunked prefill, a prefix-cache hit, decode, every sampling knob); only the sampled tokens,
+    which a step copies to the host, are replaced by CPU values after the sampler has run on meta."""
+    monkeypatch.setattr(engine_module, "resolve_device", lambda device: torch.device("meta"))
+    sample = Sampler.__call__
+
+    def sample_on_meta(self: Sampler, logits: torch.Tensor, batch) -> SamplerOutput:
+        out = sample(self, logits, batch)
+        outputs = [out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs]
+        assert all(t.device.type == "meta" for t in outputs if t is not None)
+        host = [None if t is None else torch.zeros(t.shape, dtype=t.dtype) for t in outputs]
+        return SamplerOutput(host[0] + 7, *host[1:])
+
+    monkeypatch.setattr(Sampler, "__call__", sample_on_meta)
+    path = tiny_gguf_model(kind, ftype) if ftype else tiny_hf_model(kind)
+    engine = make_engine(path, dtype="bfloat16", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    named = [*engine.model.named_parameters(), *engine.model.named_buffers(),
+             *((f"kv_cache.{i}", t) for i, t in enumerate(engine.kv_caches))]
+    assert [name for name, t in named if t.device.type != "meta"] == []
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3, min_tokens=2,
+                            repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5,
+                            logit_bias={3: 1.0}, logprobs=3)
+    prompt = list(range(3, 15))                      # 12 tokens: prefilled in chunks of 8
+    requests = [engine.add_request(prompt, params), engine.add_request([5], params)]
+    while engine.has_unfinished():
+        engine.step()
+    requests.append(engine.add_request(prompt + [9, 9], params))   # its first 12 tokens are cached
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == [[7] * 4] * 3
+    assert engine.stats().prefix_cache_hits >= 8

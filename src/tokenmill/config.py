@@ -128,6 +128,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise TokenmillError(f"device: {device!r} requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
         raise TokenmillError(f"device: {device!r} is not supported (cpu or cuda)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise TokenmillError(f"device: {device!r} does not exist (this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s))")
     return dev
 
 
@@ -141,9 +144,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantiz
     """'auto' is bfloat16 on GPUs and on CPUs with bf16 units, float32 on other CPUs and wherever the
     weights run quantized on a CPU (`quantized`: the quantized kernels and the decode stack take float32
     activations; on an AVX512-BF16 EPYC the default GGUF model decoded at 160 tok/s in bfloat16 against
-    341 in float32); float16 is refused on CPU."""
+    341 in float32), float16 on GPUs without native bf16 (before Ampere); float16 is refused on CPU."""
     if dtype is None or dtype == "auto":
-        if device.type == "cpu" and (quantized or not cpu_has_fast_bf16()):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        if quantized or not cpu_has_fast_bf16():
             return torch.float32
         return torch.bfloat16
     if isinstance(dtype, torch.dtype):

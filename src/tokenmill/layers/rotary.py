@@ -46,8 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:
         """GGUF `rope_freqs`: per-frequency divisors that llama.cpp applies instead of rope scaling."""
-        base = rope_inv_freq(self.head_dim, self.theta, None)
-        self.inv_freq = base / factors.float().to(base.device)
+        device = self.inv_freq.device  # the model's: load_model calls this outside its device context
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, None).to(device) / factors.float().to(device)
         self._build_cache()
 
     def _build_cache(self) -> None:

@@ -169,7 +169,7 @@ def _token_index(
 ) -> TokenIndex:
     """(rows, token_ids) of every token of every wanted row (all rows when rows_wanted is None)."""
     rows = [r for r in range(len(token_ids)) if rows_wanted is None or rows_wanted[r]]
-    counts = torch.tensor([len(token_ids[r]) for r in rows], dtype=torch.int64, device=device)
-    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), counts)
+    # built on the host: repeat_interleave on device counts would wait for the device to learn the size
+    row_index = torch.tensor([r for r in rows for _ in token_ids[r]], dtype=torch.int64, device=device)
     flat = torch.tensor(list(chain.from_iterable(token_ids[r] for r in rows)), dtype=torch.int64, device=device)
     return row_index, flat

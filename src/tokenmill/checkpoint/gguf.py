@@ -76,19 +76,21 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise CheckpointError(f"GGUF file not found: {self.path}")
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # the reader raises assorted errors on truncated or foreign files
             raise CheckpointError(f"{self.path} is not a readable GGUF file: {_why_unreadable(self.path)} "
                                   f"({type(e).__name__}: {e})") from e
         self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
+        for key, field in reader.fields.items():
             if key.startswith("GGUF."):
                 continue
             try:
                 self.metadata[key] = field.contents()
             except Exception as e:
                 raise CheckpointError(f"{self.path}: cannot read metadata key {key!r} ({e})") from e
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        # Only the tensors are kept (views of the mapped file): the reader's fields, a numpy array per
+        # string of the vocabulary and merges, hold ~100 MiB that the metadata above no longer needs.
+        self._tensors = {t.name: t for t in reader.tensors}
         self._check_extent()
 
     def _check_extent(self) -> None:
@@ -129,6 +131,17 @@ class GGUFCheckpoint:
         tensor = self.load_raw(name, dtype)
         return tensor.dequantize(dtype) if isinstance(tensor, GGUFBlocks) else tensor
 
+    def _copy(self, t: Any) -> np.ndarray:
+        """A private copy of a tensor's data, read from the file rather than through the reader's
+        memory map: the map's touched pages would stay resident (the whole file) while the
+        checkpoint is open."""
+        out = np.empty(t.data.shape, t.data.dtype)
+        with open(self.path, "rb") as f:
+            f.seek(t.data_offset)
+            if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} is cut short")
+        return out
+
     def load_raw(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | GGUFBlocks:
         """One tensor: a float type as a torch tensor of `dtype`; a quantized 2-D one as its blocks
         (copied out of the memory map), other quantized ones dequantized."""
@@ -138,7 +151,7 @@ class GGUFCheckpoint:
         qtype = t.tensor_type.name
         shape = self.tensor_shape(name)
         if qtype in FLOAT_TYPES:
-            data = np.array(t.data)  # a private copy: the memory map is read-only
+            data = self._copy(t)
             if qtype == "BF16":
                 raw = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
             else:
@@ -150,7 +163,7 @@ class GGUFCheckpoint:
                 f"(supported: {', '.join(sorted([*FLOAT_TYPES, *SUPPORTED_QUANT_TYPES]))})"
             )
         rows = int(np.prod(shape[:-1]))
-        blocks = GGUFBlocks(qtype, (rows, shape[-1]), torch.from_numpy(np.array(t.data).reshape(rows, -1)))
+        blocks = GGUFBlocks(qtype, (rows, shape[-1]), torch.from_numpy(self._copy(t).reshape(rows, -1)))
         if len(shape) == 2:
             return blocks
         return blocks.dequantize(dtype).reshape(shape)

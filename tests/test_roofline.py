@@ -49,3 +49,20 @@ def test_roofline_command_end_to_end(tiny_hf_model, tmp_path, capsys):
         assert row["fraction"] == pytest.approx(row["measured_tok_s"] / row["bound_tok_s"])
     batch1, batch3 = report["rows"][0], report["rows"][1]
     assert batch3["bytes"] - batch1["bytes"] == 2 * 21 * report["kv_bytes_per_token"]
+
+
+def test_roofline_of_a_quantized_model_uses_its_kernel_and_cache(tiny_gguf_model, tmp_path, capsys):
+    """A Q4_1 GGUF runs on the 4-bit kernel with a bf16 KV cache (the auto defaults): the compute
+    peak is that kernel's, and the KV bytes are the cache's, not the model dtype's."""
+    from tokenmill.engine.kv_cache import kv_bytes_per_token
+
+    path = tiny_gguf_model("llama", "Q4_1")
+    out = tmp_path / "roofline.json"
+    assert main(["bench", "roofline", str(path), "--device", "cpu", "--batch-size", "2", "--context", "20",
+                 "--prefill-len", "24", "--steps", "2", "--repeats", "1", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    engine = make_engine(path, "auto", num_kv_blocks=8)
+    assert engine.dtype == torch.float32 and engine.kv_dtype == torch.bfloat16
+    assert report["kv_bytes_per_token"] == kv_bytes_per_token(engine.model_config, torch.bfloat16)
+    assert report["machine"]["matmul"] == "int4 quantized kernel (float32 activations)"
+    assert "int4 quantized kernel" in capsys.readouterr().out

@@ -4,8 +4,11 @@ A decode step of a batch of B requests reads every weight once (the LM head incl
 request's cached K/V, and does ~2 FLOPs per weight per row plus the attention's 4 FLOPs per
 (query head dim x context token). Its time is at least max(bytes / bandwidth, FLOPs / matmul peak);
 the bound in tokens/s is B over that. The machine's read bandwidth and matmul peak are measured
-here, in this process, with torch's threads; the engine then runs the same step and the table shows
-the measured tokens/s as a fraction of the bound. Prefill (one prompt) is the same sum with T rows.
+here, in this process, with torch's threads: the peak of the matmul the weights run on (torch's in
+the compute dtype, or for quantized weights tokenmill's int4/int8 kernel, in float-equivalent FLOPs),
+and the bytes are those held (packed weights, the KV cache in its own dtype). The engine then runs
+the same step and the table shows the measured tokens/s as a fraction of the bound. Prefill (one
+prompt) is the same sum with T rows.
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ from tokenmill.config import ModelConfig
 class Machine:
     threads: int
     read_gb_s: float          # sum over a buffer far larger than the caches
-    matmul_gflop_s: float     # a large square matmul in the compute dtype
+    matmul_gflop_s: float     # a large square matmul, of the kind the model's weights run on
+    matmul: str               # which: torch's in the compute dtype, or tokenmill's quantized kernel
 
 
-def measure_machine(dtype: torch.dtype, buffer_bytes: int = 1 << 30, n: int = 2048, repeats: int = 5) -> Machine:
+def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: int = 1 << 30, n: int = 2048,
+                    repeats: int = 5) -> Machine:
+    """Read bandwidth, and the matmul peak of torch in `dtype` or, for weights held in `bits` (4 or 8),
+    of the quantized kernel (float-equivalent FLOPs: 2 per weight per row, as the rows count them)."""
     def best(fn) -> float:
         fn()
         times = []
@@ -44,9 +51,15 @@ def measure_machine(dtype: torch.dtype, buffer_bytes: int = 1 << 30, n: int = 20
     buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
     read = buffer_bytes / best(buf.sum) / 1e9
     del buf
-    a = torch.randn(n, n).to(dtype)
-    flops = 2 * n**3 / best(lambda: a @ a) / 1e9
-    return Machine(torch.get_num_threads(), read, flops)
+    if bits is None:
+        a = torch.randn(n, n).to(dtype)
+        flops = 2 * n**3 / best(lambda: a @ a) / 1e9
+        return Machine(torch.get_num_threads(), read, flops, f"{str(dtype).removeprefix('torch.')} matmul (torch)")
+    from tokenmill.layers.quant import QuantWeight, quantize
+
+    weight, x = QuantWeight(quantize(torch.randn(n, n), bits), torch.float32), torch.randn(n, n)
+    flops = 2 * n**3 / best(lambda: weight.matmul(x)) / 1e9
+    return Machine(torch.get_num_threads(), read, flops, f"int{bits} quantized kernel (float32 activations)")
 
 
 def weight_bytes_per_step(model: torch.nn.Module, vocab_size: int) -> int:
@@ -154,6 +167,7 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill import LLM
     from tokenmill.engine.kv_cache import kv_bytes_per_token
     from tokenmill.errors import TokenmillError
+    from tokenmill.models.loader import weight_forms
 
     if any(b < 1 for b in args.batch_size) or args.context < 1 or args.prefill_len < 1:
         raise TokenmillError("--batch-size, --context and --prefill-len must be >= 1")
@@ -164,9 +178,11 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     if engine.device.type != "cpu":
         raise TokenmillError("bench roofline measures this CPU; run it with --device cpu")
     cfg, dtype = engine.model_config, engine.dtype
-    machine = measure_machine(dtype)
+    forms = weight_forms(engine.model)
+    most = max(forms, key=forms.__getitem__)   # the form most layers hold: "dense", "int4" or "int8"
+    machine = measure_machine(dtype, None if most == "dense" else int(most.removeprefix("int")))
     weights = weight_bytes_per_step(engine.model, cfg.vocab_size)
-    kv_token = kv_bytes_per_token(cfg, dtype)
+    kv_token = kv_bytes_per_token(cfg, engine.kv_dtype)
     per_row = matmul_flops_per_row(cfg)
     rows = []
     for batch in args.batch_size:
@@ -180,9 +196,10 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
                       attention_flops(cfg, n, (n + 1) // 2), machine, measured))
 
     print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "
-          f"weights read per step: {weights / 2**20:.1f} MiB  KV: {kv_token} B/token")
+          f"weights read per step: {weights / 2**20:.1f} MiB  KV ({str(engine.kv_dtype).removeprefix('torch.')}): "
+          f"{kv_token} B/token")
     print(f"machine ({machine.threads} threads): read bandwidth {machine.read_gb_s:.1f} GB/s, "
-          f"{str(dtype).removeprefix('torch.')} matmul {machine.matmul_gflop_s:.0f} GFLOP/s "
+          f"{machine.matmul} {machine.matmul_gflop_s:.0f} GFLOP/s "
           f"(load average {os.getloadavg()[0]:.1f}: other work on the cores lowers both)")
     print(f"\n{'step':<32}{'MiB/step':>10}{'GFLOP/step':>12}{'bound by':>10}{'bound tok/s':>13}"
           f"{'measured':>10}{'fraction':>10}")

@@ -333,6 +333,21 @@ def test_quality_bench_orders_modes(tiny_hf_model):
     assert report["predicted"] == report["tokens"] - 1  # every token after the first, once
 
 
+def test_quality_bench_scores_in_float32_by_default(monkeypatch, tiny_gguf_model):
+    """The reference is the dequantized model in float32 on every CPU: dtype auto would make it
+    bfloat16 where the CPU has bf16 units (and the quantized modes float32), measuring bf16's error."""
+    from tokenmill import config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+
+    def reference_dtype(**dtype):
+        return run_quality(str(tiny_gguf_model("llama", "Q4_1")), ["auto"], context=32, chunk_size=16,
+                           text=TEXT_PATH.read_text(encoding="utf-8")[:200], **dtype)["dtype"]
+
+    assert reference_dtype() == "torch.float32"
+    assert reference_dtype(dtype="auto") == "torch.bfloat16"   # asked for: the machine's choice
+
+
 @pytest.mark.slow
 def test_default_model_kept_quantized_matches_dequantized_reference(default_gguf_path):
     """SmolLM2-135M Q4_1 (+ a Q8_0 embedding / tied LM head) run quantized vs dequantized to fp32.

@@ -48,7 +48,7 @@ class Scorer:
         self.num_blocks = llm.engine.pool.num_blocks
 
     @classmethod
-    def load(cls, model_path: str, mode: str, context: int, dtype: str = "auto", block_size: int = 16) -> Scorer:
+    def load(cls, model_path: str, mode: str, context: int, dtype: str = "float32", block_size: int = 16) -> Scorer:
         from tokenmill import LLM
 
         start = time.perf_counter()
@@ -78,7 +78,7 @@ class Scorer:
         return self.model.compute_logits(hidden).float().cpu()
 
 
-def run_quality(model_path: str, modes: list[str], dtype: str = "auto", context: int = 1024,
+def run_quality(model_path: str, modes: list[str], dtype: str = "float32", context: int = 1024,
                 chunk_size: int = 32, text: str | None = None) -> dict[str, Any]:
     """Score `text` (default: the bundled text) under each mode; "none" is added as the reference."""
     modes = ["none"] + [m for m in modes if m != "none"]
@@ -148,7 +148,9 @@ def print_quality(report: dict[str, Any]) -> None:
 def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or an HF folder (default: the embedded model)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    p.add_argument("--dtype", default="float32",
+                   help="compute dtype of the reference and the modes: float32 (default: the exact dequantized "
+                   "reference on every machine) | bfloat16 | auto")
     p.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"], choices=MODES,
                    help="quantization modes to compare (auto = GGUF types kept quantized, with a bfloat16 KV "
                    "cache on CPU; auto-kv-f32 = auto with a float32 KV cache; bf16 = dense bfloat16, for scale); none "

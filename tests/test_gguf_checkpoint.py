@@ -91,3 +91,22 @@ def test_truncated_file_is_a_clear_error(tmp_path):
     (tmp_path / "header.gguf").write_bytes(data[:40])
     with pytest.raises(CheckpointError, match="header.gguf"):
         GGUFCheckpoint(tmp_path / "header.gguf")
+
+
+@pytest.mark.parametrize(("kind", "ftype"), [("llama", "F32"), ("smollm", "Q8_0"), ("qwen2", "Q5_0"), ("gpt2", "Q4_0"),
+                                             ("llama256", "Q4_K"), ("llama3", "Q8_0"), ("default", None)])
+def test_header_and_data_equal_the_gguf_reader(kind, ftype, tiny_gguf_model, request):
+    """tokenmill's own header parser (checkpoint/gguf.py) against the gguf package's GGUFReader:
+    every metadata value, every tensor's type, shape, data offset and size, and every tensor's bytes."""
+    path = request.getfixturevalue("default_gguf_path") if kind == "default" else tiny_gguf_model(kind, ftype)
+    reader = gguf.GGUFReader(path)
+    ckpt = GGUFCheckpoint(path)
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert list(ckpt.metadata) == list(expected)
+    assert ckpt.metadata == expected
+    assert ckpt.tensor_names() == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        info = ckpt._tensors[t.name]
+        assert (info.qtype, info.shape, info.offset, info.n_bytes) == (
+            t.tensor_type.name, tuple(reversed(t.shape.tolist())), t.data_offset, int(t.n_bytes))
+        assert ckpt._read(info).tobytes() == t.data.tobytes()

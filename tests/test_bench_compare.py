@@ -79,6 +79,20 @@ def test_compare_without_llama_cpp_still_runs_the_others(tiny_gguf_model, tmp_pa
     assert report["results"]["transformers"]["batch1"]["threads"] == 1
 
 
+def test_transformers_peer_runs_the_dense_dtype(tiny_gguf_model, tmp_path):
+    """With --dtype auto, tokenmill runs a quantized GGUF in float32 (its kernels' dtype) while the
+    transformers peer, dense, gets what auto gives a dense model here (bf16 where the CPU has bf16 units)."""
+    from tokenmill.config import cpu_has_fast_bf16
+
+    out = tmp_path / "compare.json"
+    args = [a if a != "float32" else "auto" for a in SMALL]
+    assert main(["bench", "compare", "--model", str(tiny_gguf_model("llama", "Q4_1")), *args, "--concurrency",
+                 "--peers", "transformers", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["tokenmill"]["batch1"]["dtype"] == "float32"
+    assert results["transformers"]["batch1"]["dtype"] == ("bfloat16" if cpu_has_fast_bf16() else "float32")
+
+
 @pytest.mark.skipif(not (peers.llama_cpp_python_status().available and peers.llama_server_status().available),
                     reason="the llama.cpp peers are not installed (scripts/install-peers.sh)")
 def test_compare_with_llama_cpp(tiny_gguf_model, tmp_path, capsys):

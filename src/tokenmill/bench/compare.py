@@ -143,9 +143,15 @@ def _batch1_tokenmill(cfg: dict[str, Any]) -> dict[str, Any]:
             times += [now] * (len(tokens) - len(times))
         return start, times, tokens
 
+    from tokenmill.config import resolve_dtype
+
     result = _measure_batch1(gen, cfg)
+    # transformers runs dense weights: the dtype these settings give a dense model (bf16 where the CPU
+    # has bf16 units), not tokenmill's float32 for its quantized kernels
+    dense = resolve_dtype(llm.engine.config.dtype, llm.engine.device)
     return {"engine": "tokenmill", "load_s": load_s, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), **result, "peak_rss_mib": peak_rss_mib()}
+            "dense_dtype": str(dense).removeprefix("torch."), "threads": torch.get_num_threads(), **result,
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def _batch1_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -413,7 +419,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     # ---- batch 1 ----
     note_load("tokenmill batch 1")
     results["tokenmill"]["batch1"] = timed_run(_batch1_tokenmill, b1)
-    dtype = results["tokenmill"]["batch1"]["dtype"]
+    dtype = results["tokenmill"]["batch1"]["dense_dtype"]   # the transformers peer's
     if "llama.cpp" in args.peers:
         if status["llama_cpp"].available:
             note_load("llama.cpp (llama_cpp.Llama) batch 1")

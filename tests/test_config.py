@@ -22,12 +22,14 @@ def test_auto_dtype_is_float32_for_quantized_execution_on_cpu(monkeypatch):
     assert config.resolve_dtype("bfloat16", torch.device("cpu"), quantized=True) == torch.bfloat16
 
 
-@pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float16)])
-def test_auto_dtype_on_cuda_is_bf16_where_native(monkeypatch, native_bf16, expected):
+def test_auto_dtype_on_cuda_is_bf16_where_native(monkeypatch):
+    """bf16 on the device asked for when it is Ampere or newer, else fp16 (a V100 beside an A100)."""
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16)
-    assert config.resolve_dtype("auto", torch.device("cuda")) == expected
-    assert config.resolve_dtype("auto", torch.device("cuda"), quantized=True) == expected
+    capability = {0: (8, 0), 1: (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[device.index or 0])
+    assert config.resolve_dtype("auto", torch.device("cuda:0")) == torch.bfloat16
+    assert config.resolve_dtype("auto", torch.device("cuda:1")) == torch.float16
+    assert config.resolve_dtype("auto", torch.device("cuda:1"), quantized=True) == torch.float16
 
 
 def test_cuda_device_index_is_checked(monkeypatch):

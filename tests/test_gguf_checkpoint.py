@@ -110,3 +110,74 @@ def test_header_and_data_equal_the_gguf_reader(kind, ftype, tiny_gguf_model, req
         assert (info.qtype, info.shape, info.offset, info.n_bytes) == (
             t.tensor_type.name, tuple(reversed(t.shape.tolist())), t.data_offset, int(t.n_bytes))
         assert ckpt._read(info).tobytes() == t.data.tobytes()
+
+
+def _every_value_type(path, alignment: int | None = 64, nested: bool = False, extra=None) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for i, (add, value) in enumerate([
+        ("uint8", 255), ("int8", -128), ("uint16", 65535), ("int16", -32768), ("uint32", 2**32 - 1),
+        ("int32", -2**31), ("uint64", 2**64 - 1), ("int64", -2**63), ("float32", 0.1), ("float64", 0.1),
+        ("bool", True), ("string", "héllo ✓"),
+    ]):
+        getattr(writer, f"add_{add}")(f"t.scalar{i}", value)
+    for i, values in enumerate([["a", "", "ü"], [True, False], [70000, -1], [-1, 2], [0.5, -2.25], []]):
+        writer.add_array(f"t.array{i}", values)
+    writer.add_key_value("t.u64s", [2**64 - 1, 0], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT64)
+    writer.add_key_value("t.i8s", [-128, 127], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT8)
+    if nested:
+        writer.add_array("t.nested", [[1, 2], [3]])
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
+    x = np.arange(40 * 32, dtype=np.float32).reshape(40, 32)
+    writer.add_tensor("a", x[:3])
+    writer.add_tensor("b", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 8, 64])
+def test_every_value_type_and_alignment_equal_the_gguf_reader(tmp_path, alignment):
+    path = tmp_path / "types.gguf"
+    _every_value_type(path, alignment)
+    reader = gguf.GGUFReader(path)
+    ckpt = GGUFCheckpoint(path)
+    assert ckpt.metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert ckpt.metadata["t.scalar6"] == 2**64 - 1 and ckpt.metadata["t.array0"] == ["a", "", "ü"]
+    assert ckpt.metadata["t.u64s"] == [2**64 - 1, 0] and ckpt.metadata["t.i8s"] == [-128, 127]
+    for t in reader.tensors:
+        info = ckpt._tensors[t.name]
+        assert (info.offset, info.n_bytes) == (t.data_offset, int(t.n_bytes))
+        assert ckpt._read(info).tobytes() == t.data.tobytes()
+    torch.testing.assert_close(ckpt.load_tensor("a"), torch.arange(3 * 32, dtype=torch.float32).view(3, 32))
+
+
+def test_nested_arrays_keep_their_nesting(tmp_path):
+    path = tmp_path / "nested.gguf"
+    _every_value_type(path, nested=True)
+    assert GGUFCheckpoint(path).metadata["t.nested"] == [[1, 2], [3]]   # GGUFReader flattens them
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("alignment 0", "general.alignment 0 is not a power of two"),
+    ("alignment 3", "general.alignment 3 is not a power of two"),
+    ("huge array", "runs past the end of the file"),
+    ("big-endian", "big-endian"),
+])
+def test_corrupt_header_is_a_clear_error(tmp_path, damage, reason):
+    path = tmp_path / "bad.gguf"
+    _every_value_type(path, None, extra={"general.alignment": int(damage[-1])} if "alignment" in damage else None)
+    data = bytearray(path.read_bytes())
+    if damage == "huge array":   # t.array2's count: after its key, value type (9) and element type
+        at = data.index(b"t.array2") + len(b"t.array2") + 8
+        data[at:at + 8] = (2**64 - 1).to_bytes(8, "little")
+    elif damage == "big-endian":
+        data[4:8] = (3).to_bytes(4, "big")
+    path.write_bytes(bytes(data))
+    with pytest.raises((CheckpointError, UnsupportedModelError), match=reason) as e:
+        GGUFCheckpoint(path)
+    assert str(path) in str(e.value)

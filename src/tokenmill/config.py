@@ -147,7 +147,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantiz
     341 in float32), float16 on GPUs without native bf16 (before Ampere); float16 is refused on CPU."""
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+            # native bf16 from Ampere (compute capability 8) on, asked of this device (not the current one)
+            return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
         if quantized or not cpu_has_fast_bf16():
             return torch.float32
         return torch.bfloat16

@@ -2,7 +2,7 @@
 
 The header (metadata and tensor infos) is parsed here, in one pass over the mapped file: the `gguf`
 package's GGUFReader makes two numpy arrays per string, which for a 49k-token vocabulary and its
-merges took ~1.9 s and ~160 MiB (the default model's load was 2.4 s, mostly that). The `gguf`
+merges took ~2.0 s and ~160 MiB (the default model's load was 2.4 s, mostly that). The `gguf`
 package stays the authority for GGML type ids, block sizes and dequantization, and
 tests/test_gguf_checkpoint.py holds this parser to GGUFReader on every key and tensor.
 `load_tensor` reads and dequantizes a single tensor, so loading a model never holds two full
@@ -13,6 +13,7 @@ copies of the weights. `load_raw` returns a quantized tensor's blocks as they ar
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -57,7 +58,7 @@ class GGUFBlocks:
 
 
 def _why_unreadable(path: Path) -> str:
-    """The user-level reason the GGUF reader failed (its own errors are numpy internals)."""
+    """The user-level reason the header could not be parsed (the parser's errors name byte-level causes)."""
     try:
         with path.open("rb") as f:
             magic = f.read(4)
@@ -107,8 +108,10 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.scalar("I"), self.scalar("Q")
-            if etype in _SCALARS:   # numbers in one call: np.frombuffer checks the bounds
+            if etype in _SCALARS:   # numbers in one call
                 fmt = _SCALARS[etype]
+                if count > (len(self.buf) - self.pos) // struct.calcsize(fmt):
+                    raise struct.error(f"an array of {count} values runs past the end of the file")
                 values = np.frombuffer(self.buf, "<" + fmt if fmt != "?" else np.bool_, count, self.pos)
                 self.pos += values.nbytes
                 return values.tolist()
@@ -119,8 +122,9 @@ class _Cursor:
 
 
 def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
-    """The metadata (key -> str, int, float, bool or a list of them) and tensor infos of a GGUF file
-    (versions 2 and 3, little-endian), as the GGUF spec lays them out."""
+    """The metadata (key -> str, int, float, bool or a list of them, nested for arrays of arrays,
+    which GGUFReader flattens) and tensor infos of a GGUF file (versions 2 and 3, little-endian), as
+    the GGUF spec lays them out."""
     import gguf
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -129,6 +133,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
             raise ValueError("no GGUF magic")
         cur.pos = 4
         version = cur.scalar("I")
+        if version & 0xFFFF == 0 and version:
+            raise UnsupportedModelError(f"{path}: big-endian GGUF files are not supported")
         if version not in (2, 3):
             raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2 or 3, "
                                         "little-endian)")
@@ -136,6 +142,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
         metadata = {}
         for _ in range(n_kv):
             key = cur.string()
+            if key in metadata:
+                raise ValueError(f"metadata key {key!r} appears twice")
             metadata[key] = cur.value(cur.scalar("I"))
         infos = []
         for _ in range(n_tensors):
@@ -144,9 +152,12 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
             qtype = gguf.GGMLQuantizationType(cur.scalar("I"))   # ValueError for an unknown id
             offset = cur.scalar("Q")
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            infos.append((name, qtype.name, tuple(reversed(dims)), offset,
-                          int(np.prod(dims, dtype=np.int64)) // block * block_bytes))
+            infos.append((name, qtype.name, tuple(reversed(dims)), offset, math.prod(dims) // block * block_bytes))
+        if len({info[0] for info in infos}) < len(infos):
+            raise ValueError("a tensor name appears twice")
         alignment = metadata.get("general.alignment", 32)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-cur.pos // alignment) * alignment
     return metadata, [TensorInfo(n, q, shape, start + off, size) for n, q, shape, off, size in infos]
 
@@ -154,7 +165,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
 class GGUFCheckpoint:
     """A GGUF file opened for reading.
 
-    `metadata` maps every key to a plain Python value (str, int, float, bool, or a list of them).
+    `metadata` maps every key to a plain Python value (str, int, float, bool, or a (nested) list of them).
     """
 
     def __init__(self, path: str | Path):
@@ -163,7 +174,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"GGUF file not found: {self.path}")
         try:
             self.metadata, tensors = _read_header(self.path)
-        except UnsupportedModelError:
+        except UnsupportedModelError:   # a TokenmillError, hence a ValueError: not "unreadable"
             raise
         except (OSError, ValueError, struct.error, IndexError, KeyError) as e:
             raise CheckpointError(f"{self.path} is not a readable GGUF file: {_why_unreadable(self.path)} "

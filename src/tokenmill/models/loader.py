@@ -85,7 +85,9 @@ def weight_forms(model: nn.Module) -> dict[str, int]:
 
 def runs_quantized(ckpt: GGUFCheckpoint | HFCheckpoint, quantization: str | None, device: torch.device) -> bool:
     """Whether load_model will hold weights quantized: modes int8/int4, or a GGUF with quantized types
-    in the default mode (known before loading, so that the compute dtype can follow it)."""
+    in the default mode (known before loading, so that the compute dtype can follow it). For a GGUF it
+    is a forecast from the tensor types: a file whose only quantized tensors stay dense (a fused layer
+    mixing dense and quantized shards) gets float32 where bf16 would do, which is always correct."""
     mode = _check_quantization(quantization, device)
     if mode != "auto":
         return mode != "none"

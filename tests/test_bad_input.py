@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -279,6 +281,8 @@ def test_empty_prompt(llm, reference, prompts):
     pytest.param([5, 400], id="id-past-the-vocabulary"),
     pytest.param([-1, 5], id="negative-id"),
     pytest.param([[5, 6], [7, 10**9]], id="second-prompt-bad"),
+    pytest.param([1, 2**64], id="id-past-int64"),
+    pytest.param([1, -(2**63) - 1], id="negative-past-int64"),
     pytest.param([1.5, 2.0], id="floats"),
     pytest.param([None], id="none"),
     pytest.param(5, id="an-int"),
@@ -294,10 +298,28 @@ def test_bad_prompt_values(llm, reference, prompts):
     ("min_p", 2.0), ("n", 0), ("max_tokens", 0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("seed", 2**64), ("stop", [""]), ("stop_token_ids", [-1]),
     ("logit_bias", {1: 1000.0}), ("ignore_eos", "yes"),
+    # values that pass a plain range check but that the float32 sampler cannot honour, and sizes
+    # that would be allocated before any other check
+    ("top_p", 1e-46), ("top_p", 1e-300), ("temperature", 1e308), ("temperature", 10**400),
+    ("repetition_penalty", 1e308), ("repetition_penalty", 1e-300), ("n", 10**30), ("n", 10**8), ("n", 129),
+    ("logit_bias", {"9" * 5000: 1.0}), ("logit_bias", {i: 1.0 for i in range(1025)}), ("stop", ["x"] * 65),
+    ("stop_token_ids", list(range(1025))),
 ])
 def test_out_of_range_sampling_params(field, value):
     error = raises(SamplingParamsError, lambda: SamplingParams(**{field: value}), field)
     assert error.field == field or error.field.startswith(f"{field}[")
+
+
+def test_seed_of_the_last_sample_must_be_valid():
+    raises(SamplingParamsError, lambda: SamplingParams(n=2, seed=2**64 - 1), "seed", "seed + i")
+    assert SamplingParams(n=2, seed=2**64 - 2).seed == 2**64 - 2
+
+
+def test_tiny_top_p_keeps_the_most_likely_token(llm, reference):
+    """The smallest top_p accepted keeps exactly the argmax (the old failure: top_p 1e-46 became
+    0.0 in float32 and indexed position -1, failing every request of the step)."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=2.0**-126, ignore_eos=True, seed=1)
+    assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == reference
 
 
 def test_min_tokens_above_max_tokens():
@@ -318,6 +340,14 @@ def test_sampling_params_checked_against_the_model(llm, reference, field, params
     assert_still_works(llm, reference)
 
 
+def test_min_tokens_beyond_the_room_left_in_the_context(llm, reference):
+    """Context 256: with max_tokens None a request may generate 256 - prompt tokens, so a larger
+    min_tokens can never be honoured."""
+    raises(SamplingParamsError, lambda: llm.generate(PROMPT, SamplingParams(max_tokens=None, min_tokens=300),
+                                                     use_tqdm=False), "min_tokens", "max_model_len")
+    assert_still_works(llm, reference)
+
+
 def test_prompt_longer_than_the_context(llm, reference):
     raises(TokenmillError, lambda: llm.generate([[5] * 300], greedy(), use_tqdm=False), "prompt", "max_model_len")
     assert_still_works(llm, reference)
@@ -335,14 +365,84 @@ def test_bad_sampling_params_argument(llm, reference, params):
     assert_still_works(llm, reference)
 
 
-def test_chat_message_content_of_the_wrong_type(llm):
-    raises(TokenmillError, lambda: llm.chat([{"role": "user", "content": 5}], greedy(), use_tqdm=False),
-           "chat template")
+@pytest.mark.parametrize(("messages", "names"), [
+    pytest.param([{"role": "user", "content": 5}], ["messages[0].content"], id="content-an-int"),
+    pytest.param([{"role": "user"}], ["messages[0].content"], id="no-content"),
+    pytest.param([{"role": "robot", "content": "hi"}], ["messages[0].role", "robot"], id="unknown-role"),
+    pytest.param([{"role": "user", "content": "hi"}, "x"], ["messages[1]"], id="not-a-dict"),
+    pytest.param([{"role": "user", "content": "a\ud800b"}], ["surrogate"], id="lone-surrogate"),
+])
+def test_chat_messages_are_checked_like_the_server_does(llm, reference, messages, names):
+    raises(TokenmillError, lambda: llm.chat(messages, greedy(), use_tqdm=False), *names)
+    assert_still_works(llm, reference)
+
+
+def test_chat_developer_role_and_text_parts_are_the_servers_forms(llm):
+    """OpenAI's `developer` role is the template's `system`, and text parts are joined: the
+    Python API takes what the server takes."""
+    plain = llm.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], True)
+    assert llm.chat_prompt([{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                                               {"type": "text", "text": "brief."}]},
+                            {"role": "user", "content": "hi"}], True) == plain
+
+
+@pytest.mark.parametrize("template", [
+    pytest.param("{% for i in range(10**9) %}x{% endfor %}", id="huge-range"),
+    pytest.param("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", id="recursive-macro"),
+    pytest.param("{{ (10**100000)|string }}", id="huge-int-to-string"),
+    pytest.param("{{ 10 ** 1000000000 }}", id="huge-power"),
+    pytest.param("{{ 'x' * 10**10 }}", id="huge-repeat"),
+])
+def test_chat_template_that_raises_anything_is_a_clear_error(llama_dir, tmp_path, template):
+    folder = copy_folder(llama_dir, tmp_path / "template")
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    llm = LLM(str(folder), dtype="float32")
+    raises(TokenmillError, lambda: llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False),
+           str(folder), "chat template")
+    assert llm.engine.num_free_blocks == llm.engine.pool.num_blocks
+
+
+def test_one_llm_runs_one_call_at_a_time(llm, reference):
+    """An open stream holds the LLM: a generate from another thread, or a second stream, is refused
+    with a clear error instead of stepping the first one's requests; once the stream is closed the
+    LLM works again. Three threads calling generate at once either get the reference or that error."""
+    stream = llm.stream(PROMPT, greedy())
+    first = next(stream)
+    assert not first.finished
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(lambda: llm.generate(PROMPT, greedy(), use_tqdm=False)).exception()
+    assert isinstance(refused, TokenmillError) and "another generate / chat / stream call" in str(refused)
+    raises(TokenmillError, lambda: next(llm.stream(PROMPT, greedy())), "another generate")
+    assert list(stream)[-1].outputs[0].token_ids == reference      # the first stream was not disturbed
+    barrier = threading.Barrier(3)
+
+    def call() -> list[int] | str:
+        barrier.wait()
+        try:
+            return llm.generate(PROMPT, greedy(32), use_tqdm=False)[0].outputs[0].token_ids[:8]
+        except TokenmillError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: call(), range(3)))
+    assert reference in results
+    assert all(r == reference or "another generate" in r for r in results), results
+    assert_still_works(llm, reference)
+
+
+def test_gguf_quantized_row_not_a_whole_number_of_blocks(tiny_gguf_model, tmp_path):
+    """A Q4_1 tensor whose row (575) is not a multiple of its 32-value blocks: GGUFReader refuses
+    such a file, and so do we, with the tensor's name (it was a numpy reshape traceback)."""
+    path = _patch_gguf_tensor(tiny_gguf_model("llama", "Q4_1"), tmp_path / "rows.gguf", "blk.0.ffn_down.weight",
+                              dims=[127, 64])
+    raises(CheckpointError, lambda: LLM(str(path)), str(path), "blk.0.ffn_down.weight", "127", "block size 32")
 
 
 def test_bad_chat_input(llm, reference, llama_dir, tmp_path):
-    raises(TokenmillError, lambda: llm.chat([{"role": "user"}], greedy(), use_tqdm=False), "chat template")
-    raises(TokenmillError, lambda: llm.stream(messages=[{"role": "user"}]).__next__(), "chat template")
+    raises(TokenmillError, lambda: llm.chat([{"role": "user"}], greedy(), use_tqdm=False), "messages[0].content")
+    raises(TokenmillError, lambda: llm.stream(messages=[{"role": "user"}]).__next__(), "messages[0].content")
     raises(TokenmillError, lambda: list(llm.stream(PROMPT, messages=[{"role": "user", "content": "x"}])),
            "prompt", "messages")
     for messages in (None, "hello", [None], [[{"role": "user", "content": "x"}], "abc"]):

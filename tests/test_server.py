@@ -316,6 +316,21 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/completions", {}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    # hostile values that once gave a 500 (or, for top_p, failed every request of the step)
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "top_p": 1e-46}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "Hi", "temperature": 0, "top_p": 1e-300, "stream": True}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "n": 10**30}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 10**8}, 400, "n", None),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 2**64]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [[1, 2], [3, -(2**63) - 1]]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": None, "min_tokens": 10**6}, 400, "min_tokens",
+     "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e308}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e308}, 400, "repetition_penalty", None),
+    # (a lone surrogate is invalid JSON to the parser: refused before any field is read)
+    ("/v1/completions", {"prompt": "a\ud800b"}, 400, None, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, 400, None, None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -349,7 +364,9 @@ def check_error(r: httpx.Response, status: int, param: str | None, code: str | N
 @pytest.mark.parametrize("path,body,status,param,code", ERROR_CASES,
                          ids=[f"{i}-{c[2]}-{c[3]}" for i, c in enumerate(ERROR_CASES)])
 def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, status, param, code):
-    r = httpx.post(server.base + path, json=body, headers=auth(KEY), timeout=60)
+    # json.dumps escapes lone surrogates as JSON allows ("\\ud800"); httpx's json= would fail to encode them
+    r = httpx.post(server.base + path, content=json.dumps(body), headers={**auth(KEY), "Content-Type":
+                                                                          "application/json"}, timeout=60)
     check_error(r, status, param, code)
 
 

@@ -6,9 +6,11 @@ together and batched by its scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,7 +25,7 @@ from tokenmill.engine.output import OutputProcessor
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling import SamplingParams
-from tokenmill.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.tokenizer import Tokenizer, chat_messages, load_tokenizer
 
 PromptType = str | list[int]
 Messages = list[dict[str, Any]]
@@ -65,6 +67,21 @@ class LLM:
         self.model_config = self.engine.model_config
         self._processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
+        self._busy = threading.Lock()   # held by the one generate / chat / stream call running
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """An LLM steps its engine in the calling thread, so two calls at once (from two threads,
+        or a second stream opened while one is still being read) would step each other's
+        requests and corrupt the engine's state: the second is refused instead."""
+        if not self._busy.acquire(blocking=False):
+            raise TokenmillError("LLM: another generate / chat / stream call is running on this LLM (in another "
+                                 "thread, or a stream not yet read to the end or closed); an LLM runs one call at a "
+                                 "time, from the thread that created it")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() updated with the model's generation_config.json sampling values."""
@@ -82,12 +99,13 @@ class LLM:
                 raise TokenmillError("prompt: must not be empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            self.engine.check_prompt_token_ids(prompt)
             return None, list(prompt)
         raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The chat template applied to `messages`: (text, token ids)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        """The chat template applied to `messages` (checked by `chat_messages`): (text, token ids)."""
+        text = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=add_generation_prompt)
         # The template may already start with BOS; add it only if it does not (as llama.cpp does).
         bos = self.tokenizer.bos_token_id
         has_bos = bos is not None and text.startswith(self.tokenizer.id_to_token(bos))
@@ -137,6 +155,11 @@ class LLM:
         priorities = [0] * len(tokenized) if priority is None else list(priority)
         if len(priorities) != len(tokenized) or not all(isinstance(x, int) for x in priorities):
             raise TokenmillError(f"priority: expected {len(tokenized)} ints, one per prompt")
+        with self._one_call():
+            return self._generate(tokenized, params, priorities, use_tqdm)
+
+    def _generate(self, tokenized: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                  priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
             for (text, token_ids), p, prio in zip(tokenized, params, priorities, strict=True):
@@ -175,16 +198,19 @@ class LLM:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TokenmillError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
         text, token_ids = self.tokenize_prompt(prompt) if messages is None else self.chat_prompt(messages, True)
-        request_id = str(next(self._ids))
-        self._processor.add_request(request_id, text, token_ids, sampling_params or self.get_default_sampling_params())
-        try:
-            while True:
-                for out in self._processor.process(self.engine.step()):
-                    yield snapshot_output(out)
-                    if out.finished:
-                        return
-        finally:
-            self._processor.abort(request_id)
+        with self._one_call():
+            request_id = str(next(self._ids))
+            self._processor.add_request(request_id, text, token_ids,
+                                        sampling_params or self.get_default_sampling_params())
+            try:
+                while True:
+                    for out in self._processor.process(self.engine.step()):
+                        if out.request_id == request_id:
+                            yield snapshot_output(out)
+                            if out.finished:
+                                return
+            finally:
+                self._processor.abort(request_id)
 
 
 def snapshot_output(out: RequestOutput) -> RequestOutput:

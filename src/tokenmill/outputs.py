@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None   # per output token: sampled + top-k alternatives
-    finish_reason: str | None = None                   # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None                   # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None               # the stop token id or stop string, if one ended it
 
     @property
@@ -34,6 +34,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0    # prompt tokens served by the prefix cache (sample 0's, at admission)
+    error: str | None = None      # set when the request failed: a sample ended with finish_reason "error"
+                                  # and its siblings were aborted (other requests are not affected)
 
     @property
     def finished(self) -> bool:

@@ -12,15 +12,18 @@ templates render in a sandboxed Jinja environment configured like transformers'.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.sandbox
 import tokenizers
 from tokenizers import processors
@@ -28,6 +31,8 @@ from tokenizers import processors
 from tokenmill.checkpoint.gguf import GGUFCheckpoint
 from tokenmill.errors import CheckpointError, TokenmillError
 from tokenmill.tokenizer_gguf import TokenizerParts, gguf_tokenizer_parts
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Tokenizer:
@@ -57,8 +62,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special-token text in it ("<|im_start|>") becomes that token;
-        `add_special_tokens` adds the BOS/EOS the model declares."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        `add_special_tokens` adds the BOS/EOS the model declares. Text that is not valid Unicode
+        (a lone surrogate such as "\\ud800", which JSON can carry) is a TokenmillError."""
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str) and _SURROGATE.search(text):
+                raise TokenmillError("the text contains a lone surrogate (U+D800-U+DFFF), which is not valid "
+                                     "Unicode") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that do not form UTF-8 become U+FFFD. Ids beyond the vocabulary
@@ -224,14 +236,65 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox already refuses unsafe attributes and range() over 100k items; this also bounds
+    the two operators that make one huge value out of small ones (`10 ** 10 ** 9` would run for
+    hours, `"x" * 10 ** 10` would take 10 GB), so no template can stall or exhaust the server."""
+
+    intercepted_binops = frozenset(["**", "*"])
+    MAX_POWER_BITS = 4096
+    MAX_REPEATED_ITEMS = 1 << 20
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and all(isinstance(x, int) for x in (left, right)) and abs(left) > 1 and \
+                right * math.log2(abs(left)) > self.MAX_POWER_BITS:
+            raise jinja2.sandbox.SecurityError(f"{left} ** {right} has more than {self.MAX_POWER_BITS} bits")
+        if operator == "*":
+            for items, count in ((left, right), (right, left)):
+                if isinstance(items, (str, list, tuple)) and isinstance(count, int) and \
+                        len(items) * count > self.MAX_REPEATED_ITEMS:
+                    raise jinja2.sandbox.SecurityError(f"repeating {len(items)} items {count} times is too long")
+        return super().call_binop(context, operator, left, right)
+
+
 def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _ChatSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+ChatRole = Literal["system", "developer", "user", "assistant"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """A conversation checked and normalized for a chat template, the same for the Python API and
+    the server: each message a dict with a role in CHAT_ROLES and a content that is a string or a
+    list of {"type": "text", "text": ...} parts (joined into one string). "developer" (OpenAI's
+    newer name for the system role) becomes "system", the name templates know. Other keys pass
+    through to the template."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TokenmillError("messages: expected a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TokenmillError(f"messages[{i}]: expected a dict with 'role' and 'content', got "
+                                 f"{type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise TokenmillError(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {role!r:.40}")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                             isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise TokenmillError(f"messages[{i}].content: must be a string or a list of text parts, got "
+                                 f"{type(content).__name__}")
+        out.append({**message, "role": "system" if role == "developer" else role, "content": content})
+    return out
 
 
 def compile_chat_template(template: str, source: str) -> jinja2.Template:
@@ -251,7 +314,7 @@ def render_chat_template(template: jinja2.Template, source: str, **variables: An
         raise TokenmillError(f"the chat template of {source} tried an unsafe operation: {e}") from e
     except jinja2.TemplateError as e:
         raise TokenmillError(f"the chat template of {source} failed: {e}") from e
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # e.g. non-string message content
+    except Exception as e:  # e.g. non-string message content, a recursive macro, an int too long for str()
         raise TokenmillError(f"the chat template of {source} failed on these messages: "
                              f"{type(e).__name__}: {e}") from e
 

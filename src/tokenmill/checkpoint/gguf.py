@@ -152,6 +152,9 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
             qtype = gguf.GGMLQuantizationType(cur.scalar("I"))   # ValueError for an unknown id
             offset = cur.scalar("Q")
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            if dims and dims[0] % block:   # GGML stores whole blocks along a row, as GGUFReader checks too
+                raise ValueError(f"tensor {name!r} ({qtype.name}): row length {dims[0]} is not a multiple of the "
+                                 f"type's block size {block}")
             infos.append((name, qtype.name, tuple(reversed(dims)), offset, math.prod(dims) // block * block_bytes))
         if len({info[0] for info in infos}) < len(infos):
             raise ValueError("a tensor name appears twice")

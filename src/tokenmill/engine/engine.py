@@ -22,7 +22,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
 from tokenmill.models.loader import load_model, runs_quantized
-from tokenmill.sampling import SamplingParams
+from tokenmill.sampling import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +104,8 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
-        if not prompt_token_ids:
-            raise TokenmillError("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise TokenmillError(f"prompt: token id {bad[0]!r} is out of range [0, {vocab})")
-        params.validate_for_vocab(vocab)
+        self.check_prompt_token_ids(prompt_token_ids)
+        params.validate_for_vocab(self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise TokenmillError(f"prompt: {n} tokens leave no room to generate within max_model_len "
@@ -119,6 +114,9 @@ class LLMEngine:
         if n + max_tokens > self.max_model_len:
             raise TokenmillError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                                  f"max_model_len ({self.max_model_len})")
+        if params.min_tokens > max_tokens:
+            raise SamplingParamsError("min_tokens", f"must be <= the {max_tokens} tokens that prompt ({n} tokens) "
+                                      f"leaves within max_model_len ({self.max_model_len}), got {params.min_tokens}")
         if self.kv.blocks_for(n + max_tokens) > self.pool.num_blocks:
             raise TokenmillError(f"prompt: {n} tokens + max_tokens {max_tokens} need "
                                  f"{self.kv.blocks_for(n + max_tokens)} KV blocks but the pool has only "
@@ -134,25 +132,68 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
+    def check_prompt_token_ids(self, token_ids: list[int]) -> None:
+        """A prompt given as token ids: at least one, each an int in the vocabulary. Checked before
+        anything decodes them (a huge or negative id would overflow the tokenizer)."""
+        if not token_ids:
+            raise TokenmillError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            shown = repr(bad[0]) if not isinstance(bad[0], int) or abs(bad[0]) < 10**30 else "a huge integer"
+            raise TokenmillError(f"prompt: token id {shown:.60} is out of range [0, {vocab})")
+
     def step(self) -> list[Request]:
-        """Run one engine step; returns the requests that got a token (or finished) in it."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled.scheduled:
+        """Run one engine step; returns the requests that got a token, finished or failed in it.
+
+        One request's failure never reaches the others. A step whose forward or sampling raises
+        is run again one request at a time (a request's tokens do not depend on its batch, and
+        seeded generators are rewound first, so the survivors get exactly the tokens the whole
+        step would have given them); a request that fails alone too ends with finish_reason
+        "error". A failure while appending a request's token ends that request alone."""
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
             return []
-        results = self.runner.execute(scheduled.scheduled)
-        for request, n in scheduled.scheduled:
-            request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request)
-        updated = []
+        generator_states = [(r.generator, r.generator.get_state()) for r, _ in scheduled if r.generator is not None]
+        failed: list[Request] = []
+        try:
+            results = self.runner.execute(scheduled)
+        except Exception:
+            logger.exception("an engine step of %d requests failed; running each request alone", len(scheduled))
+            for generator, state in generator_states:
+                generator.set_state(state)
+            results = []
+            for request, n in scheduled:
+                try:
+                    results.extend(self.runner.execute([(request, n)]))
+                except Exception as e:
+                    failed.append(request)
+                    self._fail(request, e)
+        for request, n in scheduled:
+            if not request.is_finished:
+                request.num_computed_tokens += n
+                self.kv.cache_full_blocks(request)
         for request, token in results:
-            request.append_token(token.token_id)
-            if token.logprob is not None:
-                request.logprobs.append((token.logprob, token.top_logprobs))
-            request.check_stop(self.max_model_len)
+            try:
+                request.append_token(token.token_id)
+                if token.logprob is not None:
+                    request.logprobs.append((token.logprob, token.top_logprobs))
+                request.check_stop(self.max_model_len)
+            except Exception as e:
+                self._fail(request, e)
+                continue
             if request.is_finished:
                 self._release(request)
-            updated.append(request)
-        return updated
+        return failed + [request for request, _ in results]
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """End `request` alone because of `error` (a bug or a hostile input that got past
+        validation): it finishes with reason "error", and its blocks go back to the pool."""
+        logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
+                     exc_info=error)
+        request.finish("error")
+        request.error = f"{type(error).__name__}: {error}"
+        self._release(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request from outside the token loop (a stop string matched, or an abort)."""

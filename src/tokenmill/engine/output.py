@@ -8,6 +8,7 @@ seed + i, so the samples differ but each is reproducible.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from tokenmill.engine.engine import LLMEngine
@@ -15,6 +16,8 @@ from tokenmill.engine.request import Request
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling import SamplingParams, StopStringMatcher
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,28 +95,51 @@ class OutputProcessor:
         return bool(self._parents)
 
     def process(self, updated: list[Request]) -> list[RequestOutput]:
-        """Fold one engine step's updates into the outputs; returns the parents that changed."""
+        """Fold one engine step's updates into the outputs; returns the parents that changed.
+
+        A request whose sample failed (in the engine, or here while detokenizing or matching stop
+        strings) ends with `error` set; the failure stays with that request."""
         changed: dict[str, RequestOutput] = {}
         for request in updated:
             parent_id = self._child_parent.get(request.request_id)
             if parent_id is None:
                 continue
             parent = self._parents[parent_id]
-            if parent.pending:  # sample 0 has its first token: its prompt blocks are cached
-                for child_id, child_params in parent.pending:
-                    self.engine.add_request(parent.prompt_token_ids, child_params, request_id=child_id,
-                                            priority=parent.priority, arrival_time=request.arrival_time)
-                parent.pending = []
-            sample = parent.samples[request.request_id]
-            if sample.output.index == 0:
-                parent.output.num_cached_tokens = request.num_cached_tokens
-            self._update_sample(request, sample)
             changed[parent_id] = parent.output
+            if request.finish_reason == "error":
+                self._fail(parent, request.request_id, request.error or "unknown error")
+                continue
+            try:
+                self._update(parent, request)
+            except Exception as e:
+                logger.error("request %s failed while making its output: %s: %s", parent_id, type(e).__name__, e,
+                             exc_info=e)
+                self._fail(parent, request.request_id, f"{type(e).__name__}: {e}")
         for parent_id, output in changed.items():
             if output.finished:
                 for child_id in self._parents.pop(parent_id).samples:
                     del self._child_parent[child_id]
         return list(changed.values())
+
+    def _update(self, parent: _Parent, request: Request) -> None:
+        if parent.pending:  # sample 0 has its first token: its prompt blocks are cached
+            for child_id, child_params in parent.pending:
+                self.engine.add_request(parent.prompt_token_ids, child_params, request_id=child_id,
+                                        priority=parent.priority, arrival_time=request.arrival_time)
+            parent.pending = []
+        sample = parent.samples[request.request_id]
+        if sample.output.index == 0:
+            parent.output.num_cached_tokens = request.num_cached_tokens
+        self._update_sample(request, sample)
+
+    def _fail(self, parent: _Parent, child_id: str, error: str) -> None:
+        """End the whole request: the failed sample with "error", its siblings aborted."""
+        parent.output.error = error
+        parent.pending = []
+        for sample_id, sample in parent.samples.items():
+            self.engine.finish_request(sample_id, "error" if sample_id == child_id else "abort")
+            if sample.output.finish_reason is None or sample_id == child_id:
+                sample.output.finish_reason = "error" if sample_id == child_id else "abort"
 
     def _update_sample(self, request: Request, sample: _Sample) -> None:
         out = sample.output

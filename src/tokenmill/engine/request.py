@@ -40,8 +40,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0            # leading block-table entries registered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None              # why it failed, when finish_reason is "error"
     generator: torch.Generator | None = None
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)

@@ -20,6 +20,25 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 """Most top log-probabilities one request may ask for (the OpenAI API's and vLLM's default cap)."""
 
+MAX_N = 128
+"""Most samples one request may ask for (the OpenAI API's cap): checked before anything of size n
+is built."""
+
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY = 0.01
+"""Finite ranges the sampler honours: far beyond any useful value, and far from float32's limits
+(the sampler works in float32: 1e308 would be inf there, and inf / inf is NaN)."""
+
+MAX_STOP_STRINGS = 64
+MAX_TOKEN_LISTS = 1024
+"""Most stop strings, and most entries in `logit_bias` / `stop_token_ids`: each is matched or
+packed every step, so their count bounds the work one request adds to every step."""
+
+FLOAT32_TINY = 2.0**-126
+"""The smallest normal float32: a positive value below it (top_p=1e-46) is 0 or a denormal once
+the sampler's float32 tensors hold it, so "> 0" ranges start here."""
+
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -36,18 +55,19 @@ class SamplingParams:
     """How to sample one request's tokens and when to stop it."""
 
     n: int = 1
-    """Number of completions to generate for the prompt; >= 1."""
+    """Number of completions to generate for the prompt; in [1, 128]."""
 
     max_tokens: int | None = 16
     """Most tokens to generate per completion; >= 1, or None for "up to the context limit"
     (the engine resolves None against the model's context length)."""
 
     min_tokens: int = 0
-    """Tokens to generate before EOS or any of `stop_token_ids` may be sampled; >= 0 and
-    <= max_tokens. Until then those ids get logit -inf (also when `ignore_eos` is set)."""
+    """Tokens to generate before EOS or any of `stop_token_ids` may be sampled; >= 0,
+    <= max_tokens and (checked by the engine) <= the room the context leaves after the prompt.
+    Until then those ids get logit -inf (also when `ignore_eos` is set)."""
 
     temperature: float = 1.0
-    """Logits are divided by it before sampling; >= 0. Below 1e-5 (e.g. 0) means greedy."""
+    """Logits are divided by it before sampling; in [0, 100]. Below 1e-5 (e.g. 0) means greedy."""
 
     top_k: int = 0
     """Sample only from the k most likely tokens (ties with the k-th are kept); >= 1, or 0 to
@@ -55,14 +75,15 @@ class SamplingParams:
 
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to
-    >= top_p (ties with its least likely member are kept, and never fewer than one); in (0, 1]."""
+    >= top_p (ties with its least likely member are kept, and never fewer than one); in (0, 1]
+    (values below float32's smallest normal number, 1.2e-38, are refused: they round to 0)."""
 
     min_p: float = 0.0
     """Keep only tokens whose probability is >= min_p times the most likely token's; in [0, 1]."""
 
     repetition_penalty: float = 1.0
     """HF/vLLM repetition penalty over every token in the prompt and the output so far: positive
-    logits are divided by it, negative ones multiplied; > 0 (1 disables)."""
+    logits are divided by it, negative ones multiplied; in [0.01, 100] (1 disables)."""
 
     presence_penalty: float = 0.0
     """OpenAI presence penalty: subtracted once from the logit of every token already in the
@@ -73,21 +94,22 @@ class SamplingParams:
     in the output (not the prompt); in [-2, 2]."""
 
     logit_bias: dict[int, float] | None = None
-    """Token id -> value added to its logit, each in [-100, 100]. Keys may be strings of digits
+    """Token id -> value added to its logit, each in [-100, 100]; at most 1024 entries. Keys may be strings of digits
     (OpenAI JSON) and are converted to int; ids are checked against the vocabulary by
     `validate_for_vocab`."""
 
     seed: int | None = None
     """Seed for this request's own random generator, so its samples do not depend on what it is
-    batched with; None uses the global generator."""
+    batched with; None uses the global generator. Sample i of n uses seed + i, so seed + n - 1
+    must still be a valid seed (<= 2**64 - 1)."""
 
     stop: str | list[str] | None = None
     """Strings that end generation when they appear in the output text; normalized to a list
-    (None -> []). Empty strings are rejected."""
+    (None -> []); at most 64. Empty strings are rejected."""
 
     stop_token_ids: list[int] | None = None
     """Token ids that end generation when sampled (after `min_tokens`); normalized to a list
-    (None -> [])."""
+    (None -> []); at most 1024."""
 
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text instead of cutting it off."""
@@ -104,24 +126,31 @@ class SamplingParams:
     """Leave special tokens out of the detokenized output text."""
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, low=1)
+        _check_int("n", self.n, low=1, high=MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1, none_ok=True)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        self.temperature = _check_float("temperature", self.temperature, low=0.0)
+        self.temperature = _check_float("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         if self.top_k == -1:
             self.top_k = 0
         _check_int("top_k", self.top_k, low=0, range_text="must be >= 1, or 0 or -1 to disable")
         self.top_p = _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.top_p < FLOAT32_TINY:
+            raise SamplingParamsError("top_p", f"must be >= {FLOAT32_TINY:.2g} (float32's smallest normal number; "
+                                      f"smaller values round to 0 in the sampler), got {self.top_p}")
         self.min_p = _check_float("min_p", self.min_p, low=0.0, high=1.0)
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty,
+                                               low=MIN_REPETITION_PENALTY, high=MAX_REPETITION_PENALTY)
         self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1], none_ok=True)
+            high = _SEED_RANGE[1] - (self.n - 1)
+            _check_int("seed", self.seed, low=_SEED_RANGE[0], high=high,
+                       range_text=f"must be an integer in [{_SEED_RANGE[0]}, {high}] or None" +
+                       (f" (sample i of n={self.n} uses seed + i)" if self.n > 1 else ""))
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -156,9 +185,9 @@ def _check_int(
         if none_ok:
             range_text += " or None"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SamplingParamsError(field, f"{range_text}, got {value!r}")
+        raise SamplingParamsError(field, f"{range_text}, got {_short(value)}")
     if value < low or (high is not None and value > high):
-        raise SamplingParamsError(field, f"{range_text}, got {value}")
+        raise SamplingParamsError(field, f"{range_text}, got {_short(value)}")
 
 
 def _check_float(
@@ -173,27 +202,44 @@ def _check_float(
         range_text = f"must be {'>' if low_open else '>='} {low:g}"
     else:
         range_text = f"must be in {'(' if low_open else '['}{low:g}, {high:g}]"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SamplingParamsError(field, f"{range_text}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _is_finite(value):
+        raise SamplingParamsError(field, f"{range_text}, got {_short(value)}")
     below = value <= low if low_open else value < low
     if below or (high is not None and value > high):
-        raise SamplingParamsError(field, f"{range_text}, got {value}")
+        raise SamplingParamsError(field, f"{range_text}, got {_short(value)}")
     return float(value)
+
+
+def _is_finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (JSON allows 1 followed by 400 zeros)
+        return False
+
+
+def _short(value: object) -> str:
+    """repr(value), cut to a readable length (error messages echo what the client sent)."""
+    if isinstance(value, int) and abs(value) >= 10**30:  # (str() refuses ints of over 4300 digits)
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _normalize_logit_bias(logit_bias: object) -> dict[int, float] | None:
     if logit_bias is None:
         return None
     if not isinstance(logit_bias, dict):
-        raise SamplingParamsError("logit_bias", f"must be a dict of token id -> bias, got {logit_bias!r}")
+        raise SamplingParamsError("logit_bias", f"must be a dict of token id -> bias, got {_short(logit_bias)}")
+    if len(logit_bias) > MAX_TOKEN_LISTS:
+        raise SamplingParamsError("logit_bias", f"must have at most {MAX_TOKEN_LISTS} entries, got {len(logit_bias)}")
     normalized: dict[int, float] = {}
     for key, bias in logit_bias.items():
-        if isinstance(key, str) and key.isascii() and key.isdigit():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20:
             token_id = int(key)
         elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
             token_id = key
         else:
-            raise SamplingParamsError("logit_bias", f"keys must be token ids >= 0, got {key!r}")
+            raise SamplingParamsError("logit_bias", f"keys must be token ids >= 0, got {_short(key)}")
         normalized[token_id] = _check_float(f"logit_bias[{token_id}]", bias, low=-100.0, high=100.0)
     return normalized
 
@@ -203,7 +249,9 @@ def _normalize_stop(stop: object) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise SamplingParamsError("stop", f"must be a string or a list of strings, got {stop!r}")
+        raise SamplingParamsError("stop", f"must be a string or a list of strings, got {_short(stop)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise SamplingParamsError("stop", f"must have at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     if any(s == "" for s in stops):
         raise SamplingParamsError("stop", "must not contain empty strings")
     return list(stops)
@@ -213,7 +261,10 @@ def _normalize_stop_token_ids(stop_token_ids: object) -> list[int]:
     if stop_token_ids is None:
         return []
     if not isinstance(stop_token_ids, (list, tuple)):
-        raise SamplingParamsError("stop_token_ids", f"must be a list of token ids, got {stop_token_ids!r}")
+        raise SamplingParamsError("stop_token_ids", f"must be a list of token ids, got {_short(stop_token_ids)}")
+    if len(stop_token_ids) > MAX_TOKEN_LISTS:
+        raise SamplingParamsError("stop_token_ids", f"must have at most {MAX_TOKEN_LISTS} token ids, "
+                                  f"got {len(stop_token_ids)}")
     for token_id in stop_token_ids:
         _check_int("stop_token_ids", token_id, low=0, range_text="must contain token ids >= 0")
     return list(stop_token_ids)

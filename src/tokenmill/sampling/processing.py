@@ -64,7 +64,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
     probs = sorted_logits.softmax(dim=-1)
     mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exclusive cumsum; 0 at position 0
-    num_needed = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # >= 1: top_p > 0
+    # >= 1 whenever top_p > 0 (SamplingParams refuses values that round to 0 in float32); the
+    # clamp keeps the most likely token even so, instead of indexing position -1.
+    num_needed = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min_(1)
     last_needed = sorted_logits.gather(1, num_needed - 1)
     # top_p = 1 keeps everything even where float rounding makes the cumsum reach 1 early.
     keep &= (sorted_logits >= last_needed) | (top_p >= 1.0).unsqueeze(1)

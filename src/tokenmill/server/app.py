@@ -1,15 +1,18 @@
-"""The FastAPI app: routes, API-key check, body-size limit, OpenAI error bodies, lifespan.
+"""The FastAPI app: routes, API-key check, body-size limit, OpenAI error bodies, lifespan; and the
+uvicorn server around it (read timeouts, draining shutdown).
 
     POST /v1/completions, /v1/chat/completions     (stream or not; see serving.py)
     GET  /v1/models
-    GET  /health        200 once the model is loaded, 503 while loading or shutting down
+    GET  /health        200 once the model is loaded, 503 while loading or shutting down (HEAD too)
     GET  /metrics       Prometheus text (see metrics.py)
     POST /tokenize, /detokenize
 
 The model loads in the background after the socket opens, so /health can say "loading".
-Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}; request bodies are
-parsed by hand (not by FastAPI's signature binding) so that a bad or unknown field is a 400
-naming it. With an API key set, every /v1 route needs `Authorization: Bearer <key>`.
+Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}, a 500 included, and
+never closes a kept-alive connection; request bodies are parsed by hand (not by FastAPI's
+signature binding) so that a bad or unknown field is a 400 naming it. With an API key set, every
+/v1 route needs `Authorization: Bearer <key>`. Paths take no trailing slash (no redirects: a
+redirected POST loses its body in many clients).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,16 +31,26 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.errors import TokenmillError
 from tokenmill.llm import LLM
 from tokenmill.server import serving
-from tokenmill.server.async_engine import AsyncEngine, engine_thread
-from tokenmill.server.command import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
+from tokenmill.server.async_engine import AsyncEngine, EngineStoppedError, engine_thread
+from tokenmill.server.command import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+)
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -49,6 +63,10 @@ from tokenmill.server.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# uvicorn's own graceful-shutdown timeout is this much longer than --shutdown-timeout: a backstop
+# that cancels only handlers still running after the drain ended their requests (it takes effect
+# between engine steps, so at most one step later).
+DRAIN_BACKSTOP_S = 5.0
 
 
 @dataclass
@@ -59,6 +77,7 @@ class ServerConfig:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S   # seconds for headers, and for a body
 
 
 class ServerState:
@@ -108,20 +127,65 @@ class ServerState:
                             f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) past `limit` bytes whether or not Content-Length says so."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body, refused (413) past `limit` bytes whether or not Content-Length says so, and
+    (408) when it has not all arrived within `timeout` seconds. A client that disconnects meanwhile
+    raises starlette's ClientDisconnect (answered quietly by create_app)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ErrorBody(413, f"the request body ({declared} bytes) exceeds the server's limit of {limit} bytes",
                         code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ErrorBody(413, f"the request body exceeds the server's limit of {limit} bytes",
-                            code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def chunks() -> bytes:
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ErrorBody(413, f"the request body exceeds the server's limit of {limit} bytes",
+                                code="request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(chunks(), timeout)
+    except asyncio.TimeoutError:
+        # The rest of the body may still come, or not: the connection cannot be reused.
+        raise ErrorBody(408, f"the request body was not received within {timeout:g} s", code="request_timeout",
+                        headers={"Connection": "close"}) from None
+
+
+class InternalErrorMiddleware:
+    """Answers an exception that no handler took with OpenAI's 500 body, on a connection kept open.
+
+    Starlette runs an `Exception` handler in its outermost middleware and then re-raises, so uvicorn
+    closes the kept-alive connection and the client's next request on it fails. This middleware
+    sits inside that one (app.add_middleware) and outside the routing, so every route, dependency
+    and streaming response setup goes through it, and it ends the exchange normally. An exception
+    after the response started (a stream's body) cannot become a 500: it goes on to uvicorn, which
+    logs it and closes the connection, telling the client the response is cut."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as e:
+            if started:
+                raise
+            logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            body = ErrorBody(500, f"internal error: {type(e).__name__}", type_="server_error").body()
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[[], None] | None = None,
@@ -139,8 +203,11 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
             await state.engine.stop()
         logger.info("engine stopped")
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # No slash redirects: a 307 has no error body, and POST /v1/completions/ is then a 404 that says so.
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.tokenmill = state
+    app.add_middleware(InternalErrorMiddleware)
 
     @app.exception_handler(ErrorBody)
     async def _error_body(request: Request, e: ErrorBody) -> JSONResponse:
@@ -148,18 +215,21 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(ErrorBody(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+        message = not_found_message(request) if e.status_code == 404 else str(e.detail)
+        return JSONResponse(ErrorBody(e.status_code, message).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse(ErrorBody(400, str(e)).body(), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _server_error(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(ErrorBody(500, f"internal error: {type(e).__name__}", type_="server_error").body(),
-                            status_code=500)
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: ClientDisconnect) -> Response:
+        # The client's choice, not a server fault: one line, no traceback. Nobody reads the answer.
+        client = request.client
+        logger.info("client %s disconnected while sending the body of %s %s",
+                    f"{client.host}:{client.port}" if client else "?", request.method, request.url.path)
+        return Response(status_code=499)
 
     def check_api_key(request: Request) -> None:
         key = config.api_key
@@ -174,7 +244,8 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
 
     async def generate(request: Request, model_cls: type, prepare: Callable) -> Response:
         try:
-            body = parse_body(model_cls, await read_body(request, config.max_body_bytes))
+            body = parse_body(model_cls, await read_body(request, config.max_body_bytes,
+                                                         config.request_read_timeout))
             state.check_model(body.model)
             engine = state.ready_engine()
             prepared = await asyncio.to_thread(prepare, body, engine.llm)
@@ -201,7 +272,7 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' probes
     async def health() -> JSONResponse:
         if state.engine is not None and state.engine.is_running:
             return JSONResponse({"status": "ok"})
@@ -214,7 +285,8 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body: TokenizeRequest = parse_body(TokenizeRequest, await read_body(request, config.max_body_bytes))
+        body: TokenizeRequest = parse_body(TokenizeRequest, await read_body(request, config.max_body_bytes,
+                                                                            config.request_read_timeout))
         state.check_model(body.model)
         llm = state.ready_engine().llm
         if (body.prompt is None) == (body.messages is None):
@@ -223,8 +295,7 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
             if body.prompt is not None:
                 ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
-                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                            for m in body.messages]
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
                 _, ids = llm.chat_prompt(messages, body.add_generation_prompt)
         except TokenmillError as e:
             raise ErrorBody(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
@@ -232,7 +303,8 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body: DetokenizeRequest = parse_body(DetokenizeRequest, await read_body(request, config.max_body_bytes))
+        body: DetokenizeRequest = parse_body(DetokenizeRequest, await read_body(request, config.max_body_bytes,
+                                                                                config.request_read_timeout))
         state.check_model(body.model)
         llm = state.ready_engine().llm
         vocab = llm.model_config.vocab_size
@@ -242,6 +314,103 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     return app
+
+
+def not_found_message(request: Request) -> str:
+    """The 404 message; it names the route a trailing slash missed (`/v1/completions/`)."""
+    path = request.url.path
+    message = f"no route {request.method} {path} on this server"
+    stripped = path.rstrip("/")
+    if stripped and stripped != path:
+        scope = {**request.scope, "path": stripped}
+        if any(route.matches(scope)[0] != Match.NONE for route in request.app.routes):
+            message += f"; did you mean {stripped} (paths take no trailing slash)?"
+    return message
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for a request's headers.
+
+    uvicorn has none: its keep-alive timer starts only after a response and any byte received
+    cancels it, so a client that connects and sends nothing, or sends its headers a byte at a time
+    (slowloris), holds a connection forever. Here a timer is armed when the connection opens and
+    after every response, and disarmed only once a request's headers are complete (uvicorn then
+    starts a request cycle), never by a byte arriving; when it fires, the connection is closed.
+    The body has its own deadline, in read_body. Use `with_timeout` for a subclass to give uvicorn."""
+
+    header_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+
+    @classmethod
+    def with_timeout(cls, seconds: float) -> type[HeaderTimeoutH11Protocol]:
+        # uvicorn builds each connection's protocol from a class, so the timeout rides on one.
+        return type(cls.__name__, (cls,), {"header_timeout": seconds})
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm_header_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:   # a request's headers are complete: the app has it until it answers
+            self.disarm_header_timer()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self.disarm_header_timer()   # (the connection is no longer this protocol's)
+        super().handle_websocket_upgrade(event)
+
+    def on_response_complete(self) -> None:
+        self.arm_header_timer()      # first: the call below may start a pipelined request, which disarms it
+        super().on_response_complete()
+
+    def arm_header_timer(self) -> None:
+        self.disarm_header_timer()
+        self.header_timer = self.loop.call_later(self.header_timeout, self.header_timeout_expired)
+
+    def disarm_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def header_timeout_expired(self) -> None:
+        self.header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:   # part of a request came (else: an idle connection, closed quietly)
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+            logger.info("closing the connection from %s: no complete request headers within %g s", client,
+                        self.header_timeout)
+        self.transport.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining on shutdown (SIGTERM, SIGINT).
+
+    uvicorn's graceful shutdown stops accepting and waits for the requests in flight, then cancels
+    the handlers still running: a stream is cut mid-chunk, with no error event and no [DONE], and
+    every cancelled handler logs a traceback. Here, `drain_timeout` seconds into the shutdown,
+    `on_drain_timeout` runs (it ends the engine's requests with an error, so every handler finishes
+    by itself); uvicorn's own timeout (`timeout_graceful_shutdown`, set longer) stays the backstop."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout: float, on_drain_timeout: Callable[[], None]):
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+        self.on_drain_timeout = on_drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.on_drain_timeout)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def curl_example(base_url: str, model: str, api_key: bool) -> str:
@@ -254,9 +423,8 @@ def curl_example(base_url: str, model: str, api_key: bool) -> str:
 def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
                log_level: str = "info") -> int:
     """Serve until SIGINT / SIGTERM. On SIGTERM: stop accepting, let requests in flight finish for
-    up to `shutdown_timeout` seconds, abort the rest, stop the engine, return 0."""
-    import uvicorn
-
+    up to `shutdown_timeout` seconds, then end the rest with an error (a stream gets an error event
+    and `data: [DONE]`, a non-streaming request a 500), stop the engine, return 0."""
     shown_host = f"[{host}]" if ":" in host else host
     base_url = f"http://{shown_host}:{port}"
 
@@ -268,9 +436,21 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
     def on_load_error(error: BaseException) -> None:
         server.should_exit = True
 
+    def drain() -> None:
+        engine = app.state.tokenmill.engine
+        if engine is None:   # still loading: nothing is in flight
+            return
+        logger.warning("shutting down: ending the requests still in flight after --shutdown-timeout (%g s)",
+                       shutdown_timeout)
+        engine.fail_all(EngineStoppedError(f"the server is shutting down and ended this request, still running "
+                                           f"after --shutdown-timeout ({shutdown_timeout:g} s)"))
+
     app = create_app(config, on_ready=on_ready, on_load_error=on_load_error)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=shutdown_timeout))
+    server = DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                       http=HeaderTimeoutH11Protocol.with_timeout(config.request_read_timeout),
+                       timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S),
+        shutdown_timeout, drain)
     # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it to the previous handler
     # once done; a no-op handler there makes that a clean exit instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

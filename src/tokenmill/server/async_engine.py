@@ -50,6 +50,10 @@ class EngineStoppedError(Exception):
     """The engine is shutting down (or its step failed) and takes no more requests."""
 
 
+class RequestFailedError(Exception):
+    """This request failed inside the engine (the others in its step went on); the message says why."""
+
+
 class RequestStream:
     """One request's outputs: `async for out in stream` yields cumulative RequestOutputs (the
     latest each time; intermediate ones may be skipped), the last with `finished` set."""
@@ -118,6 +122,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[str] = []
+        self._pending_fail_all: BaseException | None = None
+        self._failed_all = False
         self._num_seqs = 0            # sequences of accepted or pending requests not finished yet
         self._wake = asyncio.Event()
         self._stopping = False
@@ -144,7 +150,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and not self._stopping
+        return self._task is not None and not self._task.done() and not self._stopping and not self._failed_all
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -186,6 +192,14 @@ class AsyncEngine:
             self._pending_aborts.append(request_id)
             self._wake.set()
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (its stream raises it), between steps; used
+        when a graceful shutdown's time is up, so that streams end with an error event instead
+        of being cut."""
+        self._pending_fail_all = error
+        self._failed_all = True   # and take no more: a request still uploading would run past the drain
+        self._wake.set()
+
     # ---- the loop -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -200,11 +214,11 @@ class AsyncEngine:
                 outputs = await loop.run_in_executor(self._executor, self._step)
                 self._dispatch(outputs, time.monotonic())
 
-            except Exception as e:   # a bug: fail what is in flight, keep serving
+            except Exception as e:   # a bug outside any one request (LLMEngine.step isolates those): fail all
                 logger.exception("engine step failed; aborting %d requests", len(self._streams))
                 for request_id in list(self._streams):
                     try:
-                        self._abort_now(request_id, RuntimeError(f"engine step failed: {type(e).__name__}: {e}"),
+                        self._abort_now(request_id, RequestFailedError(f"engine step failed: {type(e).__name__}: {e}"),
                                         status="error")
                     except Exception:
                         logger.exception("aborting %s failed", request_id)
@@ -230,6 +244,10 @@ class AsyncEngine:
         aborts, self._pending_aborts = self._pending_aborts, []
         for request_id in aborts:
             self._abort_now(request_id, None)
+        error, self._pending_fail_all = self._pending_fail_all, None
+        if error is not None:
+            for request_id in list(self._streams):
+                self._abort_now(request_id, error)
 
     def _abort_now(self, request_id: str, error: BaseException | None, status: str = "abort") -> None:
         stream = self._streams.pop(request_id, None)
@@ -251,7 +269,10 @@ class AsyncEngine:
             if stream is None:
                 continue
             self._observe(stream, output, now)
-            stream._put(output)
+            if output.error is not None:
+                stream._fail(RequestFailedError(f"the request failed in the engine: {output.error}"))
+            else:
+                stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
                 self._num_seqs -= stream.num_seqs
@@ -275,4 +296,5 @@ class AsyncEngine:
         if output.finished and m is not None:
             m.e2e.observe(now - stream.arrival_time)
             reasons = {o.finish_reason for o in output.outputs}
-            m.count("abort" if "abort" in reasons else "length" if "length" in reasons else "stop")
+            m.count("error" if output.error is not None else "abort" if "abort" in reasons
+                    else "length" if "length" in reasons else "stop")

@@ -13,6 +13,7 @@ from tokenmill.errors import TokenmillError
 API_KEY_ENV = "TOKENMILL_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUEUED_REQUESTS = 256
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are refused with 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+                   help="on SIGTERM, seconds to let requests in flight finish before ending them with an error")
+    g.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers (else the connection is closed) and "
+                   "then its body (else 408)")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -47,13 +51,15 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         if value < (1 if name != "max_queued_requests" else 0):
             raise TokenmillError(f"--{name.replace('_', '-')}: must be >= {1 if name != 'max_queued_requests' else 0},"
                                  f" got {value}")
-    if args.shutdown_timeout < 0:
+    if not args.shutdown_timeout >= 0:   # (written so that NaN is refused too)
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
+    if not args.request_read_timeout > 0:
+        raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
     # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header.
     EngineConfig(model=model, **{k: v for k, v in engine_args.items() if k != "tokenizer"})
     open_checkpoint(model)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(model=model, served_model_name=args.served_model_name or Path(model).name,
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout)
     return run_server(config, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tokenmill.tokenizer import ChatRole
+
 
 class ErrorBody(Exception):
     """An error to send as OpenAI's body {"error": {"message", "type", "param", "code"}}."""
@@ -96,7 +98,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: ChatRole
     content: str | list[TextPart]
 
     def text(self) -> str:
@@ -114,7 +116,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

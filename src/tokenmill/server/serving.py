@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import time
 import uuid
@@ -26,12 +27,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import SamplingParams, SamplingParamsError
-from tokenmill.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from tokenmill.server.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
 
 # Sampling fields that keep the model's default (generation_config.json) when the request omits them.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _RETRY_AFTER_S = 1
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -118,7 +127,7 @@ def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, llm.get_default_sampling_params(), max_tokens, logprobs, renames)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text, ids = llm.chat_prompt(messages, add_generation_prompt=True)
     except TokenmillError as e:
@@ -325,8 +334,11 @@ async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Requ
                         yield _sse(chunk)
                 if prepared.include_usage:
                     yield _sse(fmt.usage_chunk(finals))
-            except (EngineStoppedError, RuntimeError) as e:
+            except (EngineStoppedError, RequestFailedError) as e:
                 yield _sse(ErrorBody(500, str(e), type_="server_error").body())
+            except Exception as e:   # a bug while formatting: still end the stream properly
+                logger.exception("request %s failed while streaming", request_id)
+                yield _sse(ErrorBody(500, f"internal error: {type(e).__name__}", type_="server_error").body())
             finally:
                 await merged.aclose()
             yield "data: [DONE]\n\n"
@@ -357,6 +369,6 @@ async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Requ
         return Response(status_code=499)
     try:
         finals = work.result()
-    except (EngineStoppedError, RuntimeError) as e:
+    except (EngineStoppedError, RequestFailedError) as e:
         raise ErrorBody(500, str(e), type_="server_error") from None
     return JSONResponse(fmt.response(finals))

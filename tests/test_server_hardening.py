@@ -1,0 +1,320 @@
+"""The server under misbehaving code, clients and shutdowns: a 500 keeps the connection open, a
+SIGTERM drains streams cleanly, client disconnects are quiet, slow clients time out, odd paths and
+methods get OpenAI error bodies.
+
+Three servers: one in this process (the tiny random model served by `create_app(..., llm=...)`
+under uvicorn in a thread, so tests can monkeypatch what a route calls and read the log records),
+one subprocess on the tiny model with `--request-read-timeout 1`, and one subprocess on the default
+model for the SIGTERM drain (the tiny model would finish any request before the drain's timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import re
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from test_server import Server, check_error, wait_for
+
+from tokenmill import LLM
+from tokenmill.bench.serve import free_port, stop_process
+from tokenmill.cli import main
+from tokenmill.server import serving
+from tokenmill.server.app import HeaderTimeoutH11Protocol, ServerConfig, create_app
+from tokenmill.server.async_engine import AsyncEngine
+
+CPU_FLAGS = ["--dtype", "float32", "--device", "cpu"]
+READ_TIMEOUT_S = 1.0          # the subprocess server's --request-read-timeout
+CLOSE_DEADLINE_S = 15.0       # generous: how long a test waits for the server to act on that timeout
+
+
+class ThreadServer:
+    """A uvicorn server run in a thread of this process (its log records reach caplog)."""
+
+    def __init__(self, app, **config):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        # log_config=None: uvicorn's loggers keep propagating to the root logger (and to caplog).
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
+                                                    log_level="info", access_log=False, **config))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        assert wait_for(lambda: self.server.started, 60), "the in-process server did not start"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def inproc(tiny_gguf_model):
+    path = tiny_gguf_model("llama")
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    s = ThreadServer(create_app(ServerConfig(model=str(path), served_model_name="tiny"), llm=llm))
+    s.llm = llm
+    try:
+        assert wait_for(lambda: httpx.get(s.base + "/health").status_code == 200, 60)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def timeout_server(tiny_gguf_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hardening") / "timeouts.log"
+    s = Server([str(tiny_gguf_model("llama")), *CPU_FLAGS, "--request-read-timeout", str(READ_TIMEOUT_S)], log)
+    try:
+        s.wait_ready(None)
+        yield s
+    finally:
+        stop_process(s.proc)
+
+
+# ---- raw HTTP ------------------------------------------------------------------------------------
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=CLOSE_DEADLINE_S)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response (Content-Length framed) from `sock`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed inside a response body"
+        body += chunk
+    return int(status_line.split()[1]), headers, body
+
+
+def closed_by_server(sock: socket.socket, drip: bytes = b"", every: float = 0.3) -> bool:
+    """True once the server closes `sock` (within CLOSE_DEADLINE_S), sending `drip` one byte every
+    `every` seconds meanwhile, as a slowloris client does."""
+    deadline = time.monotonic() + CLOSE_DEADLINE_S
+    sock.settimeout(every)
+    i = 0
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return True
+        if drip:
+            try:
+                sock.sendall(drip[i % len(drip):i % len(drip) + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+            i += 1
+    return False
+
+
+def request_head(method: str, path: str, content_length: int | None = None) -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    if content_length is not None:
+        head += f"Content-Length: {content_length}\r\n"
+    return (head + "\r\n").encode()
+
+
+# ---- an unhandled error is a 500 body on a connection kept open --------------------------------------
+
+def boom(*args, **kwargs):
+    raise ValueError("boom")
+
+
+async def boom_async(*args, **kwargs):
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("where", ["route", "stream setup", "tokenize"])
+def test_unhandled_error_is_a_500_body_logged_once_and_the_connection_stays_open(inproc, monkeypatch, caplog,
+                                                                                  where):
+    if where == "route":
+        monkeypatch.setattr(serving, "prepare_completion", boom)
+        path, body = "/v1/completions", {"prompt": "x", "max_tokens": 2}
+    elif where == "stream setup":
+        monkeypatch.setattr(AsyncEngine, "add_request", boom_async)
+        path, body = "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}
+    else:
+        monkeypatch.setattr(inproc.llm.tokenizer, "encode", boom)
+        path, body = "/tokenize", {"prompt": "x"}
+
+    conn = http.client.HTTPConnection("127.0.0.1", inproc.port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        first = conn.getresponse()
+        error = json.loads(first.read())["error"]
+        assert first.status == 500 and first.getheader("content-type") == "application/json"
+        assert error == {"message": "internal error: ValueError", "type": "server_error", "param": None,
+                         "code": None}
+        assert first.getheader("connection") is None
+        conn.auto_open = 0      # no silent reconnection: the next request must go on the same connection
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        assert second.status == 200 and json.loads(second.read()) == {"status": "ok"}
+    finally:
+        conn.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert errors[0].name == "tokenmill.server.app" and errors[0].exc_info is not None
+    assert path in errors[0].getMessage()
+
+
+# ---- paths, methods, empty messages ------------------------------------------------------------------
+
+def test_trailing_slash_is_a_404_naming_the_route(inproc):
+    r = httpx.post(inproc.base + "/v1/completions/", json={"prompt": "x"})
+    message = check_error(r, 404, None, None)["message"]
+    assert re.search(r"did you mean /v1/completions(?!/)", message), message
+    r = httpx.post(inproc.base + "/v1/nothing-here/", json={"prompt": "x"})
+    assert "did you mean" not in check_error(r, 404, None, None)["message"]
+
+
+def test_head_health_answers_like_get(inproc):
+    r = httpx.head(inproc.base + "/health")
+    assert r.status_code == 200 and r.content == b""
+    assert r.headers["content-type"] == "application/json"
+
+
+def test_tokenize_refuses_empty_messages(inproc):
+    check_error(httpx.post(inproc.base + "/tokenize", json={"messages": []}), 400, "messages", None)
+
+
+# ---- read timeouts -----------------------------------------------------------------------------------
+
+def test_serve_refuses_bad_timeouts(capsys):
+    for flag, value, words in (("--request-read-timeout", "0", "must be > 0"),
+                               ("--request-read-timeout", "-1", "must be > 0"),
+                               ("--request-read-timeout", "nan", "must be > 0"),
+                               ("--shutdown-timeout", "nan", "must be >= 0")):
+        assert main(["serve", "missing.gguf", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tokenmill: error: {flag}: {words}") and "Traceback" not in err
+
+
+def test_slow_request_headers_close_the_connection(timeout_server):
+    with connect(timeout_server.port) as sock:    # a slowloris: the headers never end
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        assert closed_by_server(sock, drip=b"abcdefgh")
+    with connect(timeout_server.port) as sock:    # connected, silent
+        assert closed_by_server(sock)
+    with connect(timeout_server.port) as sock:    # after a response on a kept-alive connection
+        sock.sendall(request_head("GET", "/health"))
+        assert read_response(sock)[0] == 200
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        assert closed_by_server(sock, drip=b"abcdefgh")
+    assert "no complete request headers within 1 s" in timeout_server.log()
+    assert httpx.get(timeout_server.base + "/health").status_code == 200
+
+
+def test_a_stalled_body_is_a_408(timeout_server):
+    with connect(timeout_server.port) as sock:
+        sock.sendall(request_head("POST", "/v1/completions", content_length=100) + b'{"prompt": ')
+        status, headers, body = read_response(sock)
+        assert status == 408 and headers["connection"] == "close"
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert closed_by_server(sock)
+
+
+def test_normal_requests_are_not_cut_by_the_read_timeout(timeout_server):
+    body = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(base_url=timeout_server.base, timeout=60) as c:   # one kept-alive connection
+        for _ in range(2):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_header_timer_is_off_while_the_app_works():
+    """A response slower than the timeout is not cut (the timer waits for headers only)."""
+
+    async def slow_app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(1.5)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    s = ThreadServer(slow_app, http=HeaderTimeoutH11Protocol.with_timeout(0.5), lifespan="off")
+    try:
+        with connect(s.port) as sock:
+            sock.sendall(request_head("GET", "/"))
+            status, _, body = read_response(sock)
+            assert (status, body) == (200, b"ok")
+    finally:
+        s.stop()
+
+
+# ---- client disconnects -------------------------------------------------------------------------------
+
+def test_client_gone_while_uploading_is_one_info_line(timeout_server):
+    with connect(timeout_server.port) as sock:
+        sock.sendall(request_head("POST", "/v1/completions", content_length=100000) + b'{"prompt": "' + b"x" * 1000)
+    assert wait_for(lambda: "disconnected while sending the body of POST /v1/completions" in timeout_server.log())
+    log = timeout_server.log()
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert httpx.get(timeout_server.base + "/health").status_code == 200
+
+
+# ---- SIGTERM past --shutdown-timeout: streams end with an error event and [DONE] ----------------------
+
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_then_done(default_gguf_path, tmp_path):
+    # (--max-num-seqs 4 keeps the default KV pool small: four full-length requests, not 4 GiB.)
+    s = Server([str(default_gguf_path), *CPU_FLAGS, "--max-model-len", "4096", "--max-num-seqs", "4",
+                "--shutdown-timeout", "1"], tmp_path / "drain.log")
+    try:
+        s.wait_ready(None)
+        # 4000 tokens each: far more than the default model generates in the 1 s drain on a CPU.
+        body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": True}
+        started = threading.Barrier(4)
+
+        def stream() -> list[str]:
+            with httpx.Client(timeout=120) as c, c.stream("POST", s.base + "/v1/completions",
+                                                         json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                data = [next(line for line in lines if line.startswith("data:"))]
+                started.wait()
+                return data + [line for line in lines if line.startswith("data:")]
+
+        def whole() -> httpx.Response:
+            started.wait()
+            return httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(stream) for _ in range(2)]
+            plain = pool.submit(whole)
+            started.wait(timeout=120)
+            assert wait_for(lambda: s.metrics()["tokenmill_num_requests_running"] == 3)
+            s.proc.send_signal(signal.SIGTERM)
+            results = [f.result(timeout=120) for f in streams]
+            response = plain.result(timeout=120)
+        for lines in results:
+            assert len(lines) >= 3 and lines[-1] == "data: [DONE]", lines[-3:]
+            error = json.loads(lines[-2][5:])["error"]
+            assert error["type"] == "server_error" and "shutting down" in error["message"]
+            assert "finish_reason" in json.loads(lines[-3][5:])["choices"][0]   # a whole chunk before it
+        assert check_error(response, 500, None, None)["type"] == "server_error"
+        assert s.proc.wait(60) == 0
+        log = s.log()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+        assert "engine stopped" in log
+    finally:
+        stop_process(s.proc)
+

@@ -12,41 +12,12 @@ import itertools
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from tokenmill.config import add_engine_args, engine_args
 from tokenmill.errors import TokenmillError
 from tokenmill.llm import LLM
 from tokenmill.sampling import SamplingParams
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", "-m", default=None, help="a .gguf file or an HF folder (default: the embedded "
-                   "SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--tokenizer", default=None, help="load the tokenizer from another .gguf file or HF folder")
-    g.add_argument("--dtype", default="auto",
-                   help="auto (fp32 for quantized weights on CPU, else bf16 where the hardware has it, else fp32)"
-                        " | float32 | bfloat16 | float16 (CUDA)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
-    g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the KV cache (default: a quarter of the free memory, at most 4 GiB)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV pool size in blocks")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of shared prompt prefixes")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill prompts longer than the step's token budget in chunks")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
-                   help="auto: the C decode-attention kernel on CPU where it builds; torch: the plain PyTorch "
-                   "reference")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV cache element type (auto: the model's dtype, but bfloat16 for float32 with quantized "
-                   "weights on CPU); bfloat16 halves the cache's memory and the bytes decode attention reads")
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
-                   help="default: GGUF quantized weights run quantized (CPU); none: dequantize everything; "
-                   "int8 | int4: also quantize dense (float) weights at load")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -66,16 +37,6 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments from the engine flags every command shares."""
-    return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, show_progress=True)
-
-
 def _sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:
     """The flags applied over `base` (the model's generation-config defaults, or plain defaults
     when checking the flags before the model is loaded)."""
@@ -90,7 +51,7 @@ def _load(args: argparse.Namespace) -> tuple[LLM, SamplingParams]:
     """Check the sampling flags (fast), load the model (slow), then resolve the sampling params."""
     _sampling_params(args, SamplingParams())
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_args(args), show_progress=True)
     return llm, _sampling_params(args, llm.get_default_sampling_params())
 
 
@@ -152,38 +113,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.command import serve
 
-    return serve(args, engine_kwargs(args))
+    return serve(args, engine_args(args))
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+def _log_level_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", type=_log_level, default=default,
+                        help="tokenmill's log level (" + " | ".join(LOG_LEVELS) + "; default INFO), before or "
+                        "after the command")
+
+
+def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand (`sub`: what add_subparsers returned) that also takes --log-level, so the flag
+    may follow the command too (`tokenmill serve --log-level DEBUG`); SUPPRESS keeps the top-level
+    value when it does not."""
+    p = sub.add_parser(name, **kwargs)
+    _log_level_flag(p, argparse.SUPPRESS)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
-    parser.add_argument("--log-level", default="INFO", help="tokenmill's log level: DEBUG | INFO | WARNING | ERROR")
+    _log_level_flag(parser, "INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    p = _command(sub, "generate", help="complete a prompt, streaming to the terminal")
     p.add_argument("prompt")
-    _add_model_args(p)
+    add_engine_args(p)
     _add_sampling_args(p, max_tokens=128)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat using the model's chat template (Ctrl-D to quit)")
+    p = _command(sub, "chat", help="interactive chat using the model's chat template (Ctrl-D to quit)")
     p.add_argument("--system", default=None, help="a system message")
-    _add_model_args(p)
+    add_engine_args(p)
     _add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
     from tokenmill.server.command import add_serve_args
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    p = _command(sub, "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or an HF folder (default: the embedded SmolLM2-135M-Instruct GGUF)")
-    _add_model_args(p)
+    add_engine_args(p)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    p = _command(sub, "bench", help="benchmarks (print a table, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)
-    b = bench.add_parser("latency", help="batch-1 load time, TTFT and decode speed vs transformers")
-    _add_model_args(b)
+    b = _command(bench, "latency", help="batch-1 load time, TTFT and decode speed vs transformers")
+    add_engine_args(b)
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
     b.add_argument("--decode-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
@@ -192,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     from tokenmill.bench import throughput
-    b = bench.add_parser("throughput", help="offline throughput on a mix of requests vs transformers, "
+    b = _command(bench, "throughput", help="offline throughput on a mix of requests vs transformers, "
                          "with a leave-one-out table of engine features")
-    _add_model_args(b)
+    add_engine_args(b)
     b.set_defaults(max_num_seqs=throughput.DEFAULT_MAX_NUM_SEQS)   # see throughput.py: sized for 2 CPU cores
     b.add_argument("--num-requests", type=int, default=throughput.DEFAULT_NUM_REQUESTS,
                    help=f"requests in the workload (the issue's size: {throughput.ISSUE_NUM_REQUESTS})")
@@ -212,30 +197,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=throughput.cmd_throughput)
 
     from tokenmill.bench import roofline
-    b = bench.add_parser("roofline", help="bytes and FLOPs per step, this machine's bandwidth and matmul peak, the "
+    b = _command(bench, "roofline", help="bytes and FLOPs per step, this machine's bandwidth and matmul peak, the "
                          "bound in tokens/s, and the measured tokens/s as a fraction of it")
     b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    _add_model_args(b)
+    add_engine_args(b)
     roofline.add_roofline_args(b)
     b.set_defaults(func=roofline.cmd_roofline)
 
     from tokenmill.bench import quality
-    b = bench.add_parser("quality", help="perplexity and logit error of each quantization mode against the "
+    b = _command(bench, "quality", help="perplexity and logit error of each quantization mode against the "
                          "dequantized reference, on a fixed text")
     quality.add_quality_args(b)
     b.set_defaults(func=quality.cmd_quality)
 
     from tokenmill.bench import serve as bench_serve
-    b = bench.add_parser("serve", help="streaming load on OpenAI-compatible servers (tokenmill, llama-server, "
+    b = _command(bench, "serve", help="streaming load on OpenAI-compatible servers (tokenmill, llama-server, "
                          "any --base-url): throughput and TTFT / ITL / end-to-end latency percentiles")
-    _add_model_args(b)
+    add_engine_args(b)
     bench_serve.add_bench_serve_args(b)
     b.set_defaults(func=bench_serve.cmd_bench_serve)
 
     from tokenmill.bench import compare
-    b = bench.add_parser("compare", help="tokenmill vs llama.cpp (llama_cpp, llama-server) and transformers on the "
+    b = _command(bench, "compare", help="tokenmill vs llama.cpp (llama_cpp, llama-server) and transformers on the "
                          "same GGUF, 2 threads each: prefill, decode, concurrent throughput, memory, one table")
-    _add_model_args(b)
+    add_engine_args(b)
     compare.add_compare_args(b)
     b.set_defaults(func=compare.cmd_compare)
     return parser
@@ -245,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("tokenmill").setLevel(args.log_level.upper())
+    logging.getLogger("tokenmill").setLevel(args.log_level)
     try:
         return args.func(args)
     except TokenmillError as e:

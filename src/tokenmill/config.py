@@ -6,8 +6,10 @@ metadata) and never changes afterwards. Field names follow Hugging Face's where 
 
 from __future__ import annotations
 
+import argparse
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -187,34 +189,61 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torc
     return dtype
 
 
+def setting(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
+            cli: bool = True) -> Any:
+    """A field of EngineConfig with what the command line needs: its help text, extra flag spellings
+    (`-m`), the allowed values, and whether it is a flag at all."""
+    return field(default=default, metadata={"help": help, "flags": flags, "choices": choices, "cli": cli})
+
+
 @dataclass
 class EngineConfig:
-    """How to run a model: every engine knob, validated in one place (names follow vLLM's)."""
+    """How to run a model: every engine setting, declared once (names follow vLLM's).
 
-    model: str | None = None               # .gguf file or HF folder; None = the embedded default model
-    dtype: str = "auto"                    # auto (see resolve_dtype) | float32 | bfloat16 | float16
-    device: str = "auto"                   # auto | cpu | cuda | cuda:N
-    max_model_len: int | None = None       # context limit; default: the model's, capped by the KV pool
-    block_size: int = 16                   # tokens per KV block
-    max_num_seqs: int = 64                 # running requests per step
-    max_num_batched_tokens: int = 2048     # tokens per step (prefill chunks + decodes)
-    kv_cache_memory: int | None = None     # bytes for the KV pool; default 1/4 of free memory, <= 4 GiB
-    num_kv_blocks: int | None = None       # explicit pool size (overrides kv_cache_memory)
-    enable_prefix_caching: bool = True     # reuse the KV blocks of shared prompt prefixes
-    enable_chunked_prefill: bool = True    # split prompts longer than the step's token budget
-    attention_backend: str = "auto"        # auto (C decode kernel on CPU where it builds) | torch (reference)
-    show_progress: bool = False            # progress bars while loading
-    quantization: str | None = None        # None: GGUF quantized weights run quantized (CPU) | "none": all
-    #                                        dequantized | "int8" | "int4": dense weights quantized too
-    kv_cache_dtype: str = "auto"           # auto (see resolve_kv_cache_dtype) | float32 | bfloat16
+    Each field is a keyword argument of `LLM(...)` and, through `add_engine_args`, a flag of every
+    command that runs an engine (`--max-num-seqs`; booleans as `--x / --no-x`); `engine_argv` turns
+    a command's values back into flags (the bench starting `tokenmill serve`). Values are validated
+    in __post_init__, so the Python API and the CLI refuse the same things with the same message."""
+
+    model: str | None = setting(None, "a .gguf file, an HF folder, or a Hugging Face repo id (org/name; "
+                                "org/name:Q4_K_M or org/name/file.gguf picks a GGUF in the repo), from the local "
+                                "cache first (default: the embedded SmolLM2-135M-Instruct GGUF)", flags=("-m",))
+    tokenizer: str | None = setting(None, "load the tokenizer from another .gguf file, HF folder or repo id")
+    chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file holding one, used "
+                                        "instead of the model's")
+    dtype: str = setting("auto", "auto (float32 for quantized weights on CPU, else bfloat16 where the hardware "
+                         "has it, else float32) | float32 | bfloat16 | float16 (CUDA)")
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    threads: int | None = setting(None, "CPU threads for PyTorch and the C kernels (default: PyTorch's, one per "
+                                  "core)")
+    max_model_len: int | None = setting(None, "context limit (default: the model's, capped by the KV pool)")
+    block_size: int = setting(16, "tokens per KV-cache block")
+    max_num_seqs: int = setting(64, "requests running at once")
+    max_num_batched_tokens: int = setting(2048, "tokens per engine step (prefill chunks + decodes)")
+    kv_cache_memory: int | str | None = setting(
+        None, "memory for the KV cache: bytes or a size such as 4GiB, 512MiB, 2G (default: a quarter of the free "
+        "memory, at most 4 GiB)")
+    num_kv_blocks: int | None = setting(None, "explicit KV pool size in blocks (overrides --kv-cache-memory)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = setting(True, "prefill prompts longer than the step's token budget in chunks")
+    attention_backend: str = setting("auto", "auto: the C attention kernels on CPU where they build; torch: the "
+                                     "plain PyTorch reference", choices=ATTENTION_BACKENDS)
+    kv_cache_dtype: str = setting("auto", "KV cache element type (auto: the model's dtype, but bfloat16 for float32 "
+                                  "with quantized weights on CPU)", choices=KV_CACHE_DTYPES)
+    quantization: str | None = setting(None, "default: GGUF quantized weights run quantized (CPU); none: "
+                                       "dequantize everything; int8 | int4: also quantize dense weights at load",
+                                       choices=tuple(m for m in QUANTIZATION_MODES if m))
+    show_progress: bool = setting(False, "progress bars while loading", cli=False)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size("kv_cache_memory", self.kv_cache_memory)
         if self.quantization not in QUANTIZATION_MODES:
             raise TokenmillError(f"quantization: {self.quantization!r} is not supported "
                                  f"(None, {', '.join(repr(m) for m in QUANTIZATION_MODES if m)})")
-        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -222,6 +251,66 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
                                  f"{', '.join(ATTENTION_BACKENDS)}")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+               "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_size(name: str, text: str) -> int:
+    """Bytes of a size written as `4GiB`, `512MiB`, `1.5G` or `1000000`: KiB/MiB/GiB/TiB and the
+    one-letter K/M/G/T are powers of 1024, kB/MB/GB/TB powers of 1000 (as in `ls -h` and SI)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise TokenmillError(f"{name}: {text!r} is not a size (e.g. 4GiB, 512MiB, 2G, or a number of bytes)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _cli_fields() -> list[Field]:
+    return [f for f in fields(EngineConfig) if f.metadata["cli"]]
+
+
+_FLAG_TYPES = {"int | None": int, "int": int}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig setting as a flag of `parser` (the defaults are EngineConfig's)."""
+    group = parser.add_argument_group("model and engine")
+    for f in _cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _FLAG_TYPES.get(f.type, str)
+            if f.metadata["choices"]:
+                kwargs["choices"] = f.metadata["choices"]
+            if f.default is not None:
+                kwargs["help"] += f" (default: {f.default})"
+        group.add_argument(flag, *f.metadata["flags"], **kwargs)
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keyword arguments a command's parsed flags hold, but the model: commands
+    resolve it themselves (a positional MODEL, the default model), and `LLM` takes it first."""
+    return {f.name: getattr(args, f.name) for f in _cli_fields() if f.name != "model" and hasattr(args, f.name)}
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags given to a command (those that differ from the defaults), as flags again,
+    e.g. for the `tokenmill serve` a benchmark starts; the model is left out (a positional there)."""
+    argv: list[str] = []
+    for f in _cli_fields():
+        value = getattr(args, f.name, f.default)
+        if f.name == "model" or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -23,9 +23,17 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.errors import TokenmillError
+from tokenmill.hub import resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling import SamplingParams
-from tokenmill.tokenizer import Tokenizer, chat_messages, load_tokenizer
+from tokenmill.tokenizer import (
+    Tokenizer,
+    chat_messages,
+    check_chat_template_kwargs,
+    compile_chat_template,
+    load_tokenizer,
+    read_chat_template,
+)
 
 PromptType = str | list[int]
 Messages = list[dict[str, Any]]
@@ -51,14 +59,19 @@ def default_model_path() -> str:
 class LLM:
     """Load a model (a .gguf file, an HF folder, or None for the embedded default) and generate."""
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args: Any):
-        path = model if model is not None else default_model_path()
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        """`engine_args`: the fields of EngineConfig (`tokenizer`, `dtype`, `max_num_seqs`, ...)."""
         try:
-            config = EngineConfig(model=path, **engine_args)
+            config = EngineConfig(model=model, **engine_args)
         except TypeError as e:
             raise TokenmillError(f"LLM(): {e}") from e
+        path = resolve_model(model) if model is not None else default_model_path()
         ckpt = open_checkpoint(path)
-        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or (ckpt if isinstance(ckpt, GGUFCheckpoint) else path))
+        self.tokenizer: Tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else
+                                                   ckpt if isinstance(ckpt, GGUFCheckpoint) else path)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
+            compile_chat_template(self.tokenizer.chat_template, "chat_template")   # a syntax error now, not at chat
         self.generation_config = ckpt.generation_config if isinstance(ckpt, HFCheckpoint) else {}
         eos = set(self.tokenizer.eos_token_ids)
         gen_eos = self.generation_config.get("eos_token_id")
@@ -103,9 +116,14 @@ class LLM:
             return None, list(prompt)
         raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def chat_prompt(self, messages: Messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The chat template applied to `messages` (checked by `chat_messages`): (text, token ids)."""
-        text = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=add_generation_prompt)
+    def chat_prompt(self, messages: Messages, add_generation_prompt: bool,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """The chat template applied to `messages` (checked by `chat_messages`): (text, token ids).
+        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
+        # Checked before the conversation, so that a reserved key is named even in a bad conversation.
+        template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
+        text = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
         # The template may already start with BOS; add it only if it does not (as llama.cpp does).
         bos = self.tokenizer.bos_token_id
         has_bos = bos is not None and text.startswith(self.tokenizer.id_to_token(bos))
@@ -127,15 +145,17 @@ class LLM:
         return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of {"role", "content"} dicts)
-        or to a list of conversations, and generate a reply for each."""
+        or to a list of conversations, and generate a reply for each. `chat_template_kwargs`: extra
+        template variables for every conversation (vLLM's name; e.g. Qwen3's {"enable_thinking": False})."""
         conversations = [messages] if isinstance(messages, (list, tuple)) and messages and \
             isinstance(messages[0], dict) else messages
         if not isinstance(conversations, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in conversations):
             raise TokenmillError("messages: expected a list of {'role', 'content'} dicts or a list of such lists, "
                                  f"got {messages!r:.80}")
-        tokenized = [self.chat_prompt(list(c), add_generation_prompt) for c in conversations]
+        tokenized = [self.chat_prompt(list(c), add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self._run(tokenized, sampling_params, use_tqdm)
 
     def _run(self, tokenized: list[tuple[str | None, list[int]]],
@@ -171,7 +191,8 @@ class LLM:
                 self._processor.abort(request_id)
             raise
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False)
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", leave=False,
+               disable=None if use_tqdm else True)   # None: no bar off a terminal (\r frames in logs)
         start, generated = time.perf_counter(), 0
         try:
             while len(finished) < len(ids):
@@ -190,14 +211,20 @@ class LLM:
         return [finished[i] for i in ids]
 
     def stream(self, prompt: PromptType | None = None, sampling_params: SamplingParams | None = None, *,
-               messages: Messages | None = None) -> Iterator[RequestOutput]:
-        """Generate for one prompt (or one chat conversation), yielding the output after every step
-        that changed it; `outputs[i].text` grows, the last yield has finished=True."""
+               messages: Messages | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt (or one chat conversation, with optional extra template
+        variables as in `chat`), yielding the output after every step that changed it;
+        `outputs[i].text` grows, the last yield has finished=True."""
         if (prompt is None) == (messages is None):
             raise TokenmillError("stream(): pass exactly one of prompt or messages")
+        if chat_template_kwargs is not None and messages is None:
+            raise TokenmillError("chat_template_kwargs: only for messages (a prompt is not rendered by the chat "
+                                 "template)")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TokenmillError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
-        text, token_ids = self.tokenize_prompt(prompt) if messages is None else self.chat_prompt(messages, True)
+        text, token_ids = (self.tokenize_prompt(prompt) if messages is None
+                           else self.chat_prompt(messages, True, chat_template_kwargs))
         with self._one_call():
             request_id = str(next(self._ids))
             self._processor.add_request(request_id, text, token_ids,

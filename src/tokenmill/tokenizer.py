@@ -297,6 +297,42 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def read_chat_template(template: str) -> str:
+    """A chat template given on the command line or to LLM(chat_template=...): the path of a file
+    holding one, or the template itself (vLLM's --chat-template takes both)."""
+    path = Path(template).expanduser()
+    if "{" not in template and path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenmillError(f"chat_template: cannot read {path}: {e}") from e
+    if "{" not in template:
+        raise TokenmillError(f"chat_template: {template!r} is neither a file nor a Jinja template")
+    return template
+
+
+# Template variables tokenmill sets itself, plus apply_chat_template's own `tokenize` argument (as
+# vLLM refuses it): extra template variables may not replace them, or a caller could render another
+# conversation than the one checked, or get ids where text is expected.
+RESERVED_TEMPLATE_VARIABLES: tuple[str, ...] = ("messages", "add_generation_prompt", "bos_token", "eos_token",
+                                                "tokenize")
+
+
+def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """Extra chat-template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    `{"enable_thinking": False}`) checked: None or a dict with string keys, none of them in
+    RESERVED_TEMPLATE_VARIABLES. Variables a template does not use change nothing."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TokenmillError(f"chat_template_kwargs: expected a dict with string keys, got {kwargs!r:.80}")
+    reserved = [k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES]
+    if reserved:
+        raise TokenmillError(f"chat_template_kwargs: {reserved[0]!r} is set by tokenmill and cannot be overridden "
+                             f"(reserved: {', '.join(RESERVED_TEMPLATE_VARIABLES)})")
+    return dict(kwargs)
+
+
 def compile_chat_template(template: str, source: str) -> jinja2.Template:
     """Compile a chat template in the sandbox; a syntax error names the checkpoint."""
     try:

@@ -49,9 +49,10 @@ TARGETS = {"prefill_512_tok_s": 2.0, "decode_tok_s": 1.0, "concurrent_32_out_tok
 
 
 def add_compare_args(b: argparse.ArgumentParser) -> None:
+    # --threads (an engine flag, see config.EngineConfig) is every engine's thread count here:
+    # torch.set_num_threads, llama.cpp's -t/-tb.
+    b.set_defaults(threads=DEFAULT_THREADS)
     g = b.add_argument_group("compare")
-    g.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                   help="CPU threads for every engine (torch.set_num_threads; llama.cpp -t/-tb)")
     g.add_argument("--peers", nargs="*", default=["llama.cpp", "transformers"], choices=ENGINES[1:],
                    help="peers to run next to tokenmill (default: both)")
     g.add_argument("--prefill-lens", type=int, nargs="+", default=DEFAULT_PREFILL_LENS)
@@ -348,7 +349,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.bench import peers
     from tokenmill.bench import serve as bench_serve
     from tokenmill.bench.throughput import check_range, make_lengths, make_prompts, timed_run
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.config import engine_args as engine_flag_values
     from tokenmill.errors import TokenmillError
     from tokenmill.llm import default_model_path
     from tokenmill.tokenizer import load_tokenizer
@@ -391,7 +392,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     ctx_per_slot = _round_up(input_range[1] + output_range[1] + 16, 256)
     slots = max(levels) if levels else 1
 
-    engine_args = {**engine_kwargs(args), "show_progress": False}
+    engine_args = {**engine_flag_values(args), "show_progress": False}
     if engine_args["num_kv_blocks"] is None and engine_args["kv_cache_memory"] is None:
         # the same KV capacity as llama.cpp's context (the default pool, up to 4 GiB, would count in RSS)
         engine_args["num_kv_blocks"] = batch1_ctx // args.block_size + 1

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.throughput import make_lengths, make_prompts
+from tokenmill.config import engine_argv
 from tokenmill.errors import TokenmillError
 
 DEFAULT_NUM_REQUESTS = 32
@@ -237,25 +238,6 @@ def stop_process(process: subprocess.Popen, timeout: float = 60.0) -> int | None
             process.kill()
             process.wait()
     return process.returncode
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The model and engine flags given to this command, as `tokenmill serve` flags."""
-    from tokenmill.cli import _add_model_args
-
-    p = argparse.ArgumentParser(add_help=False)
-    _add_model_args(p)
-    argv: list[str] = []
-    for action in p._actions:
-        value = getattr(args, action.dest, action.default)
-        if not action.option_strings or action.dest == "model" or value == action.default:
-            continue
-        long = [s for s in action.option_strings if s.startswith("--") and not s.startswith("--no-")][0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(long if value else "--no-" + long[2:])
-        else:
-            argv += [long, str(value)]
-    return argv
 
 
 def start_tokenmill(model: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:

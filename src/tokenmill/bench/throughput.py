@@ -283,7 +283,7 @@ def check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
 
 
 def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.config import engine_args
     from tokenmill.errors import TokenmillError
     from tokenmill.llm import default_model_path
     from tokenmill.tokenizer import load_tokenizer
@@ -311,7 +311,7 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     peer_n = min(args.peer_num_requests, args.num_requests)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_ids or [0])[0]
     cfg: dict[str, Any] = {
-        "model": model, "engine_args": {**engine_kwargs(args), "show_progress": False},
+        "model": model, "engine_args": {**engine_args(args), "show_progress": False},
         "num_requests": args.num_requests, "seed": args.seed,
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "input_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),

@@ -60,11 +60,17 @@ class EngineStats:
     prefix_cache_queries: int   # prompt tokens admitted
     prefix_cache_hits: int      # of which served by the prefix cache
     num_preemptions: int
+    prompt_tokens: int          # prompt tokens run through the model (not those the prefix cache served)
+    generation_tokens: int      # tokens sampled
 
 
 class LLMEngine:
     def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int]):
         self.config = config
+        if config.threads is not None:
+            # PyTorch's intra-op threads; the C kernels share its OpenMP runtime, so their parallel
+            # regions in this thread take the same count.
+            torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, runs_quantized(ckpt, config.quantization, self.device))
         self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
@@ -96,6 +102,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.num_prompt_tokens = 0       # cumulative, for stats(): the periodic server log's throughputs
+        self.num_generation_tokens = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("memory plan: weights %.1f MiB (%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
                     "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
@@ -171,11 +179,15 @@ class LLMEngine:
                     self._fail(request, e)
         for request, n in scheduled:
             if not request.is_finished:
+                # A preempted request's prompt counts again: it is recomputed.
+                computed = request.num_computed_tokens
+                self.num_prompt_tokens += max(0, min(computed + n, len(request.prompt_token_ids)) - computed)
                 request.num_computed_tokens += n
                 self.kv.cache_full_blocks(request)
         for request, token in results:
             try:
                 request.append_token(token.token_id)
+                self.num_generation_tokens += 1
                 if token.logprob is not None:
                     request.logprobs.append((token.logprob, token.top_logprobs))
                 request.check_stop(self.max_model_len)
@@ -222,5 +234,5 @@ class LLMEngine:
         counters are read, so another thread may call it while a step runs."""
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_blocks,
                            self.pool.num_free, self.kv.prefix_queries, self.kv.prefix_hits,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens)
 

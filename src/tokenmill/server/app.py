@@ -28,7 +28,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import h11
@@ -46,11 +45,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.llm import LLM
 from tokenmill.server import serving
 from tokenmill.server.async_engine import AsyncEngine, EngineStoppedError, engine_thread
-from tokenmill.server.command import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_QUEUED_REQUESTS,
-    DEFAULT_REQUEST_READ_TIMEOUT_S,
-)
+from tokenmill.server.config import DEFAULT_REQUEST_READ_TIMEOUT_S, ServerConfig
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -67,17 +62,6 @@ logger = logging.getLogger(__name__)
 # that cancels only handlers still running after the drain ended their requests (it takes effect
 # between engine steps, so at most one step later).
 DRAIN_BACKSTOP_S = 5.0
-
-
-@dataclass
-class ServerConfig:
-    model: str                          # a .gguf file or HF folder
-    served_model_name: str              # the name clients pass as `model`
-    engine_args: dict[str, Any] = field(default_factory=dict)   # LLM(...) keyword arguments
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S   # seconds for headers, and for a body
 
 
 class ServerState:
@@ -295,8 +279,8 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
             if body.prompt is not None:
                 ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                _, ids = llm.chat_prompt(messages, body.add_generation_prompt)
+                messages = [m.for_template() for m in body.messages]
+                _, ids = llm.chat_prompt(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except TokenmillError as e:
             raise ErrorBody(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
         return {"count": len(ids), "max_model_len": llm.engine.max_model_len, "tokens": ids}

@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import TokenmillError
+from tokenmill.server.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+    ServerConfig,
+)
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_MAX_QUEUED_REQUESTS = 256
-DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -40,8 +43,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from tokenmill.checkpoint import open_checkpoint
     from tokenmill.config import EngineConfig
+    from tokenmill.hub import resolve_model
     from tokenmill.llm import default_model_path
-    from tokenmill.server.app import ServerConfig, run_server
+    from tokenmill.server.app import run_server
 
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise TokenmillError(f"MODEL: given twice ({args.model_path!r} and --model {args.model!r})")
@@ -55,11 +59,15 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
-    # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header.
-    EngineConfig(model=model, **{k: v for k, v in engine_args.items() if k != "tokenizer"})
-    open_checkpoint(model)
+    # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header
+    # (a hub id is looked up, or downloaded, now).
+    EngineConfig(model=model, **engine_args)
+    path = resolve_model(model)
+    open_checkpoint(path)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    config = ServerConfig(model=model, served_model_name=args.served_model_name or Path(model).name,
+    # a file or folder by its name, a hub id as given (as vLLM names it)
+    served_name = args.served_model_name or (Path(model).name if Path(model).expanduser().exists() else model)
+    config = ServerConfig(model=path, served_model_name=served_name,
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout)
     return run_server(config, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)

@@ -4,17 +4,26 @@ Every model forbids unknown fields, so a field tokenmill does not implement is a
 never silently ignored. Types are strict (JSON numbers may still be ints where floats are asked
 for): "0.5" is not a temperature. Value ranges are checked once, by `SamplingParams`; the models
 only check shapes. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens) are accepted too.
+min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens) and its
+`chat_template_kwargs` are accepted too.
+
+Client libraries send some OpenAI fields tokenmill does not implement, mostly with values that ask
+for nothing (`store: false`, `response_format: {"type": "text"}`). Those fields are declared, and
+NO_OP_VALUES is the one list of the values accepted; any other value would change the output (or
+promise something tokenmill does not do), so it stays a 400 naming the field and saying why.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo, field_validator
 
-from tokenmill.tokenizer import ChatRole
+from tokenmill.errors import TokenmillError
+from tokenmill.tokenizer import ChatRole, check_chat_template_kwargs
 
 
 class ErrorBody(Exception):
@@ -34,12 +43,90 @@ class ErrorBody(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOp:
+    """The values of an unimplemented OpenAI field that change nothing, besides null (the default,
+    always accepted), and why every other value is refused."""
+
+    values: tuple[Any, ...]
+    refusal: str
+
+    def accepts(self, value: Any) -> bool:
+        # Compared as JSON (`False == 0` in Python; the strict field types already keep a 0 out).
+        return value is None or any(json.dumps(value) == json.dumps(v) for v in self.values)
+
+    def error(self) -> str:
+        accepted = ", ".join(json.dumps(v) for v in (None, *self.values))
+        return f"{self.refusal} (accepted: {accepted})"
+
+
+_TOOLS_REFUSAL = "tool calling is not implemented yet"
+
+# Unimplemented OpenAI fields, by name wherever they occur (request, messages[i], stream_options),
+# with the values accepted because they change nothing. Declared with their types on the models below.
+# Also accepted with any value, because they describe a request without changing its output: `user`,
+# `safety_identifier`, `prompt_cache_key`, `metadata` (OpenAI keeps it with stored completions; kept
+# nowhere here), `parallel_tool_calls` (no tools run, in parallel or not) and `messages[i].name`
+# (passed to the chat template, as vLLM does). `best_of` is accepted when it equals `n` (see
+# CompletionRequest).
+NO_OP_VALUES: dict[str, NoOp] = {
+    # chat requests
+    "store": NoOp((False,), "tokenmill stores no completions, so it cannot keep store: true"),
+    "response_format": NoOp(({"type": "text"},), "structured output (json_object, json_schema) is not "
+                                                 "implemented yet"),
+    "service_tier": NoOp(("auto", "default"), "tokenmill serves every request the same way"),
+    # (OpenAI itself refuses an empty tools list)
+    "tools": NoOp((), _TOOLS_REFUSAL),
+    # ("auto" with no tools can call none)
+    "tool_choice": NoOp(("none", "auto"), _TOOLS_REFUSAL),
+    "prediction": NoOp((), "predicted outputs are not implemented"),
+    "modalities": NoOp((["text"],), "only text output is implemented"),
+    # (request: audio output settings; message: an earlier audio reply)
+    "audio": NoOp((), "audio is not implemented"),
+    "reasoning_effort": NoOp((), "tokenmill does not control reasoning; for a model whose chat template has a "
+                                 "switch, use chat_template_kwargs (e.g. {\"enable_thinking\": false})"),
+    # completion requests
+    "suffix": NoOp(("",), "inserting text before a suffix is not implemented"),
+    # stream_options
+    "include_obfuscation": NoOp((False,), "stream obfuscation is not implemented"),
+    # messages[i]: what a client sends back of an earlier reply's message
+    "refusal": NoOp((), "a refusal is not part of the prompt tokenmill renders"),
+    "tool_calls": NoOp(([],), _TOOLS_REFUSAL),
+    "function_call": NoOp((), _TOOLS_REFUSAL),
+    "annotations": NoOp(([],), "annotations are not part of the prompt tokenmill renders"),
+}
+
+
+# Any JSON object. (Not dict[str, Any]: its JSON schema, `additionalProperties: true`, is not one the
+# fuzz test's schema-to-strategy compiler reads.)
+JsonObject = dict[str, JsonValue]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @field_validator("*")
+    @classmethod
+    def _only_no_op_values(cls, value: Any, info: ValidationInfo) -> Any:
+        rule = NO_OP_VALUES.get(info.field_name or "")
+        if rule is not None and not rule.accepts(value):
+            raise ValueError(rule.error())
+        return value
+
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None     # vLLM's: every chunk carries the usage so far
+    include_obfuscation: bool | None = None
+
+
+def _template_kwargs(kwargs: JsonObject | None) -> JsonObject | None:
+    """`chat_template_kwargs` checked as the Python API checks it (the 400 names the field)."""
+    try:
+        check_chat_template_kwargs(kwargs)
+    except TokenmillError as e:
+        raise ValueError(str(e).removeprefix("chat_template_kwargs: ")) from None
+    return kwargs
 
 
 class _SamplingRequest(_Body):
@@ -76,6 +163,19 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        # Generating best_of samples and returning the n most likely is not implemented; best_of == n
+        # returns every sample, which is what n alone does. (`n` is validated before: it is declared first.)
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"choosing the best {n} of {best_of} samples is not implemented (accepted: null or "
+                             f"n, {n})")
+        return best_of
 
     @field_validator("prompt")
     @classmethod
@@ -100,9 +200,24 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: ChatRole
     content: str | list[TextPart]
+    name: str | None = None
+    # Only as no-ops (NO_OP_VALUES): a client's copy of an earlier reply's message holds them.
+    refusal: str | None = None
+    tool_calls: list[JsonObject] | None = None
+    function_call: JsonObject | None = None
+    audio: JsonObject | None = None
+    annotations: list[JsonObject] | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role, content as one string, and `name` when
+        given (as vLLM passes it; a template that knows it renders it, the others ignore it)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -111,6 +226,27 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: JsonObject | None = None
+    # Accepted with any value (see NO_OP_VALUES' comment).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted only with the values in NO_OP_VALUES.
+    store: bool | None = None
+    response_format: JsonObject | None = None
+    service_tier: str | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: str | JsonObject | None = None
+    prediction: JsonObject | None = None
+    modalities: list[str] | None = None
+    audio: JsonObject | None = None
+    reasoning_effort: str | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: JsonObject | None) -> JsonObject | None:
+        return _template_kwargs(kwargs)
 
 
 class TokenizeRequest(_Body):
@@ -119,6 +255,14 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: JsonObject | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: JsonObject | None, info: ValidationInfo) -> JsonObject | None:
+        if kwargs is not None and info.data.get("prompt") is not None:
+            raise ValueError("only with messages (a prompt is not rendered by the chat template)")
+        return _template_kwargs(kwargs)
 
 
 class DetokenizeRequest(_Body):

@@ -3,7 +3,8 @@
 Shapes follow OpenAI's API exactly (ids `cmpl-...` / `chatcmpl-...`, `object`, `created`,
 `choices[i].index` and `finish_reason`, `usage` with `prompt_tokens_details.cached_tokens`).
 Streaming sends Server-Sent Events: one `data: {chunk}` per change, a last chunk with usage
-(`choices: []`) when `stream_options.include_usage`, then `data: [DONE]`.
+(`choices: []`) when `stream_options.include_usage`, then `data: [DONE]`. With vLLM's
+`stream_options.continuous_usage_stats` every chunk also carries the usage so far.
 
 A completion request may hold several prompts: each is its own engine request; its choices are
 numbered `prompt_index * n + sample_index`, as OpenAI does.
@@ -52,6 +53,7 @@ class Prepared:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False              # usage so far on every chunk
     echo: bool = False
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
 
@@ -89,17 +91,20 @@ def engine_error(e: TokenmillError, renames: dict[str, str]) -> ErrorBody:
     return ErrorBody(400, message, param=field, code=code)
 
 
-def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> bool:
-    if req.stream_options is not None and not req.stream:
+def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
+    if req.stream_options is None:
+        return False, False
+    if not req.stream:
         raise ErrorBody(400, "stream_options: only allowed when stream is true", param="stream_options")
-    return bool(req.stream_options and req.stream_options.include_usage)
+    return bool(req.stream_options.include_usage), bool(req.stream_options.continuous_usage_stats)
 
 
 def prepare_completion(req: CompletionRequest, llm: Any) -> Prepared:
     if req.echo and req.logprobs is not None:
         raise ErrorBody(400, "echo: prompt log-probabilities are not supported, so echo cannot be combined "
                         "with logprobs", param="echo")
-    include_usage = _check_stream_options(req)
+    include_usage, continuous_usage = _check_stream_options(req)
     params = sampling_params(req, llm.get_default_sampling_params(), req.max_tokens, req.logprobs, {})
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], int):
@@ -111,15 +116,15 @@ def prepare_completion(req: CompletionRequest, llm: Any) -> Prepared:
         except TokenmillError as e:
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else llm.tokenizer.decode(ids), ids))
-    return Prepared("completion", prompts, params, req.stream, include_usage, echo=req.echo)
+    return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo)
 
 
 def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
-    include_usage = _check_stream_options(req)
+    include_usage, continuous_usage = _check_stream_options(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ErrorBody(400, "max_completion_tokens: give max_tokens or max_completion_tokens, not both",
                         param="max_completion_tokens")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:    # (top_logprobs 0 asks for nothing: a no-op)
         raise ErrorBody(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     renames = {"logprobs": "top_logprobs", "prompt": "messages"}
     if req.max_completion_tokens is not None:
@@ -127,12 +132,12 @@ def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, llm.get_default_sampling_params(), max_tokens, logprobs, renames)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [m.for_template() for m in req.messages]
     try:
-        text, ids = llm.chat_prompt(messages, add_generation_prompt=True)
+        text, ids = llm.chat_prompt(messages, add_generation_prompt=True, chat_template_kwargs=req.chat_template_kwargs)
     except TokenmillError as e:
         raise ErrorBody(400, f"messages: {e}", param="messages") from None
-    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, renames=renames)
+    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames)
 
 
 # ---- running -----------------------------------------------------------------------------------
@@ -235,7 +240,12 @@ class _Formatter:
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
                  "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
-        if self.p.include_usage:
+        if self.p.continuous_usage:
+            # As vLLM: the tokens sent so far (all choices together, as the final usage counts them).
+            prompt, completion = sum(len(ids) for _, ids in self.p.prompts), sum(self._sent_tokens)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        elif self.p.include_usage:
             chunk["usage"] = None
         return chunk
 

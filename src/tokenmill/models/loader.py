@@ -119,8 +119,10 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, Shard]], tota
     filled: dict[str, set[int]] = {}
     ignored = [re.compile(p) for p in model.ignored_tensors]
     stacked: dict[str, tuple[str, int]] = model.stacked_params
+    # disable=None: no bar when stderr is not a terminal, where its \r frames would only clutter a
+    # server's or CI's log.
     for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor",
-                             disable=not show_progress, leave=False):
+                             disable=None if show_progress else True, leave=False):
         if any(p.fullmatch(name) for p in ignored):
             continue
         module_path, _, leaf = name.rpartition(".")

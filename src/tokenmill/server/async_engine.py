@@ -11,6 +11,11 @@ loop keeps serving other connections while the model runs. An abort therefore ta
 
 A stream holds only the latest cumulative output (a snapshot: the processor keeps updating its
 own objects), so a slow reader costs no memory; the reader computes deltas itself.
+
+While the engine is busy, a second task logs one stats line every `stats_log_interval` seconds
+(throughputs, running / waiting, KV usage, prefix-cache hits, preemptions over the interval) and
+one more when it goes idle. It reads the engine's counters from the event loop: the engine thread
+only counts.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from tokenmill.sampling import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+# A logger of its own so that the periodic line can be silenced alone (its level set to WARNING)
+# while the engine's errors still show; under "tokenmill", so `--log-level` reaches it.
+stats_logger = logging.getLogger("tokenmill.server.stats")
+
+DEFAULT_STATS_LOG_INTERVAL = 5.0   # seconds; vLLM logs its stats line every 5 s too
 
 
 def engine_thread() -> ThreadPoolExecutor:
@@ -91,6 +101,43 @@ class RequestStream:
                 return
 
 
+@dataclass(frozen=True)
+class StatsInterval:
+    """What one periodic stats line says: the engine's work over `seconds` and its state at the end.
+    Each line's log record carries it as `record.engine_stats`, for handlers that want numbers."""
+    seconds: float
+    prompt_tokens: int            # prompt tokens computed (prefix-cache hits are not work)
+    generation_tokens: int
+    num_running: int              # sequences, now
+    num_waiting: int
+    kv_blocks_used: float         # fraction of the pool held by requests, now
+    prefix_cache_queries: int     # prompt tokens admitted
+    prefix_cache_hits: int        # of which the prefix cache served
+    num_preemptions: int
+
+    @classmethod
+    def between(cls, before: EngineStats, after: EngineStats, seconds: float) -> StatsInterval:
+        return cls(seconds, after.prompt_tokens - before.prompt_tokens,
+                   after.generation_tokens - before.generation_tokens, after.num_running, after.num_waiting,
+                   (after.num_kv_blocks - after.num_free_kv_blocks) / after.num_kv_blocks,
+                   after.prefix_cache_queries - before.prefix_cache_queries,
+                   after.prefix_cache_hits - before.prefix_cache_hits, after.num_preemptions - before.num_preemptions)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """0 when no prompt was admitted in the interval (as /metrics' gauge)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def log(self) -> None:
+        # Worded as vLLM's line, so that habits and log-scraping scripts carry over.
+        stats_logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                          "Running: %d seqs, Waiting: %d seqs, KV blocks used: %.1f%%, "
+                          "Prefix cache hit rate: %.1f%%, Preemptions: %d",
+                          self.prompt_tokens / self.seconds, self.generation_tokens / self.seconds,
+                          self.num_running, self.num_waiting, 100 * self.kv_blocks_used,
+                          100 * self.prefix_cache_hit_rate, self.num_preemptions, extra={"engine_stats": self})
+
+
 @dataclass
 class _PendingAdd:
     stream: RequestStream
@@ -105,13 +152,21 @@ class AsyncEngine:
 
     Backpressure: at most `max_num_seqs + max_queued_requests` sequences (a request with n samples
     counts n) are in flight; `add_request` raises QueueFullError past that instead of queueing
-    without limit."""
+    without limit.
+
+    `stats_log_interval`: seconds between the INFO stats lines logged while busy (None: none)."""
 
     def __init__(self, llm: LLM, max_queued_requests: int, metrics: ServerMetrics | None = None,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None,
+                 stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or \
                 max_queued_requests < 0:
             raise TokenmillError(f"max_queued_requests must be an integer >= 0, got {max_queued_requests!r}")
+        if stats_log_interval is not None and (isinstance(stats_log_interval, bool) or
+                                               not isinstance(stats_log_interval, (int, float)) or
+                                               not stats_log_interval > 0):
+            raise TokenmillError(f"stats_log_interval must be a number of seconds > 0 or None, "
+                                 f"got {stats_log_interval!r}")
         self.llm = llm
         self.engine = llm.engine
         self.max_queued_requests = max_queued_requests
@@ -128,11 +183,19 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
+        self.stats_log_interval = stats_log_interval
+        self._stats_task: asyncio.Task | None = None
+        self._busy = asyncio.Event()   # set by the loop when it steps; cleared by the stats task once idle
+        self._busy_since = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tokenmill-engine-loop")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="tokenmill-engine-loop")
+        if self.stats_log_interval is not None:
+            # The counters' baseline is read now, before the loop can run a step in its thread.
+            self._stats_task = loop.create_task(self._log_stats(self.engine.stats()), name="tokenmill-stats-log")
 
     async def stop(self) -> None:
         """Abort whatever is still in flight, stop the loop and its thread."""
@@ -140,6 +203,9 @@ class AsyncEngine:
         self._wake.set()
         if self._task is not None:
             await self._task
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.wait([self._stats_task])   # wait() raises nothing: the task's CancelledError stays in it
         for add in self._pending_adds:
             if not add.accepted.done():
                 add.accepted.set_exception(EngineStoppedError("the server is shutting down"))
@@ -211,6 +277,9 @@ class AsyncEngine:
                 if not self._processor.has_unfinished():
                     await self._wake.wait()
                     continue
+                if not self._busy.is_set():   # work after an idle spell: the stats interval starts now
+                    self._busy_since = time.monotonic()
+                    self._busy.set()
                 outputs = await loop.run_in_executor(self._executor, self._step)
                 self._dispatch(outputs, time.monotonic())
 
@@ -222,6 +291,22 @@ class AsyncEngine:
                                         status="error")
                     except Exception:
                         logger.exception("aborting %s failed", request_id)
+
+    async def _log_stats(self, last: EngineStats) -> None:
+        """Every `stats_log_interval` seconds while the engine is busy, one line of what the engine
+        did in the interval; one more, showing nothing running or waiting, when it goes idle; then
+        nothing until the loop steps again. Counters are read here, in the event loop, as /metrics
+        reads them: the engine thread does nothing for this but count."""
+        last_time = time.monotonic()
+        while True:
+            await self._busy.wait()
+            start = max(last_time, self._busy_since)   # an idle spell is no part of an interval
+            await asyncio.sleep(max(0.0, start + self.stats_log_interval - time.monotonic()))
+            now, stats = time.monotonic(), self.engine.stats()
+            StatsInterval.between(last, stats, now - start).log()
+            last, last_time = stats, now
+            if stats.num_running == stats.num_waiting == 0:
+                self._busy.clear()
 
     def _step(self) -> list[RequestOutput]:
         """In the worker thread: one engine step, its outputs copied for the readers."""

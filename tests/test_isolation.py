@@ -204,7 +204,7 @@ def test_async_engine_fails_the_poisoned_stream_alone(llm, solo, monkeypatch):
     monkeypatch.setattr(type(llm.engine.model), "forward", failing_forward)
 
     async def main() -> tuple[list, BaseException | None]:
-        engine = AsyncEngine(llm, max_queued_requests=8)
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8)
         engine.start()
         try:
             params = [greedy(), greedy(), seeded(3), seeded(4)]

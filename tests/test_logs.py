@@ -83,7 +83,7 @@ def test_stats_lines_while_busy_one_when_idle_then_none(llm, slow_steps, caplog)
     idle_s = 6 * INTERVAL
 
     async def main():
-        engine = AsyncEngine(llm, max_queued_requests=8, stats_log_interval=INTERVAL)
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=INTERVAL)
         engine.start()
         try:
             generated = await run_all(engine, [(p, greedy()) for p in PROMPTS], "a")
@@ -151,7 +151,7 @@ def test_stats_lines_count_preemptions(tiny_hf_model, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
 
     async def main():
-        engine = AsyncEngine(llm, max_queued_requests=8, stats_log_interval=INTERVAL)
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=INTERVAL)
         engine.start()
         try:
             generated = await run_all(engine, [(p, greedy(40)) for p in PROMPTS], "p")
@@ -174,7 +174,7 @@ def test_no_stats_lines_when_disabled(llm, slow_steps, caplog):
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
 
     async def main():
-        engine = AsyncEngine(llm, max_queued_requests=8, stats_log_interval=None)
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=None)
         engine.start()
         try:
             await run_all(engine, [(PROMPTS[0], greedy(10))], "n")
@@ -188,7 +188,7 @@ def test_no_stats_lines_when_disabled(llm, slow_steps, caplog):
 @pytest.mark.parametrize("interval", [0, -1.0, True, "5", float("nan")])
 def test_stats_log_interval_must_be_positive_seconds(llm, interval):
     with pytest.raises(TokenmillError, match="stats_log_interval"):
-        AsyncEngine(llm, max_queued_requests=8, stats_log_interval=interval)
+        AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=interval)
 
 
 def generate_command(model) -> list[str]:

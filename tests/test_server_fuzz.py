@@ -66,6 +66,7 @@ from tiny_models import TOKENIZER_VOCAB_SIZE
 
 from tokenmill.bench.serve import stop_process
 from tokenmill.server.protocol import (
+    NO_OP_VALUES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -215,6 +216,8 @@ TAME: dict[str, st.SearchStrategy] = {
                | st.lists(st.lists(TOKEN_ID, min_size=1, max_size=8), min_size=1, max_size=3)),
     "messages": st.lists(MESSAGE, min_size=1, max_size=3),
     "tokens": st.lists(TOKEN_ID, max_size=16),
+    # the unimplemented OpenAI fields, with the values the server accepts because they change nothing
+    **{name: st.sampled_from([None, *rule.values]) for name, rule in NO_OP_VALUES.items()},
 }
 
 

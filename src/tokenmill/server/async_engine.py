@@ -27,11 +27,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tokenmill.engine.engine import EngineStats
+from tokenmill.engine.engine import EngineStats, LLMEngine
+from tokenmill.engine.input import InputProcessor
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.errors import TokenmillError
-from tokenmill.llm import LLM, snapshot_output
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import RequestOutput, snapshot_output
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
 
@@ -148,7 +148,8 @@ class _PendingAdd:
 
 
 class AsyncEngine:
-    """Runs `llm`'s engine in the background for concurrent async callers.
+    """Runs `engine` in the background for concurrent async callers; `inputs` is its input
+    processor (the one `load_engine` made with it), for the handlers that prepare requests.
 
     Backpressure: at most `max_num_seqs + max_queued_requests` sequences (a request with n samples
     counts n) are in flight; `add_request` raises QueueFullError past that instead of queueing
@@ -156,7 +157,8 @@ class AsyncEngine:
 
     `stats_log_interval`: seconds between the INFO stats lines logged while busy (None: none)."""
 
-    def __init__(self, llm: LLM, max_queued_requests: int, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: LLMEngine, inputs: InputProcessor, max_queued_requests: int,
+                 metrics: ServerMetrics | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or \
@@ -167,13 +169,13 @@ class AsyncEngine:
                                                not stats_log_interval > 0):
             raise TokenmillError(f"stats_log_interval must be a number of seconds > 0 or None, "
                                  f"got {stats_log_interval!r}")
-        self.llm = llm
-        self.engine = llm.engine
+        self.engine = engine
+        self.inputs = inputs
         self.max_queued_requests = max_queued_requests
         self.capacity = self.engine.config.max_num_seqs + max_queued_requests
         self.metrics = metrics
-        self._processor = OutputProcessor(self.engine, llm.tokenizer)
-        self._executor = executor or engine_thread()  # the thread that loaded `llm`, ideally
+        self._processor = OutputProcessor(engine, inputs.tokenizer)
+        self._executor = executor or engine_thread()  # the thread that loaded `engine`, ideally
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[str] = []

@@ -43,8 +43,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from tokenmill.checkpoint import open_checkpoint
     from tokenmill.config import EngineConfig
-    from tokenmill.hub import resolve_model
-    from tokenmill.llm import default_model_path
+    from tokenmill.hub import default_model_path, resolve_model
     from tokenmill.server.app import run_server
 
     if args.model_path is not None and args.model is not None and args.model_path != args.model:

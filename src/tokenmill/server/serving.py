@@ -25,6 +25,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.engine.input import InputProcessor
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import SamplingParams, SamplingParamsError
@@ -100,26 +101,26 @@ def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> tup
     return bool(req.stream_options.include_usage), bool(req.stream_options.continuous_usage_stats)
 
 
-def prepare_completion(req: CompletionRequest, llm: Any) -> Prepared:
+def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepared:
     if req.echo and req.logprobs is not None:
         raise ErrorBody(400, "echo: prompt log-probabilities are not supported, so echo cannot be combined "
                         "with logprobs", param="echo")
     include_usage, continuous_usage = _check_stream_options(req)
-    params = sampling_params(req, llm.get_default_sampling_params(), req.max_tokens, req.logprobs, {})
+    params = sampling_params(req, inputs.default_sampling_params(), req.max_tokens, req.logprobs, {})
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     prompts = []
     for i, p in enumerate(prompt):
         try:
-            text, ids = llm.tokenize_prompt(p)
+            text, ids = inputs.tokenize_prompt(p)
         except TokenmillError as e:
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
-        prompts.append((text if text is not None else llm.tokenizer.decode(ids), ids))
+        prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
     return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo)
 
 
-def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
+def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared:
     include_usage, continuous_usage = _check_stream_options(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ErrorBody(400, "max_completion_tokens: give max_tokens or max_completion_tokens, not both",
@@ -131,10 +132,11 @@ def prepare_chat(req: ChatCompletionRequest, llm: Any) -> Prepared:
         renames["max_tokens"] = "max_completion_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, llm.get_default_sampling_params(), max_tokens, logprobs, renames)
+    params = sampling_params(req, inputs.default_sampling_params(), max_tokens, logprobs, renames)
     messages = [m.for_template() for m in req.messages]
     try:
-        text, ids = llm.chat_prompt(messages, add_generation_prompt=True, chat_template_kwargs=req.chat_template_kwargs)
+        text, ids = inputs.chat_prompt(messages, add_generation_prompt=True,
+                                       chat_template_kwargs=req.chat_template_kwargs)
     except TokenmillError as e:
         raise ErrorBody(400, f"messages: {e}", param="messages") from None
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames)

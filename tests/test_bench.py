@@ -1,5 +1,6 @@
-"""`tokenmill bench throughput` end to end on a tiny model: every row is there with positive rates,
-and every tokenmill row generated exactly the requested output tokens. No timing assertions."""
+"""`tokenmill bench throughput` and `bench latency` end to end on a tiny model: every row is there
+with positive rates, every tokenmill row generated exactly the requested output tokens, and the
+engine flags reach the engine. No timing assertions."""
 
 from __future__ import annotations
 
@@ -50,3 +51,24 @@ def test_throughput_bench_refuses_a_feature_flag_it_would_override(tiny_hf_model
     err = capsys.readouterr().err
     assert "--skip-ablations" in err and "Traceback" not in err
     assert not (tmp_path / "t.json").exists()
+
+
+def test_latency_bench_rows_and_engine_flags(tiny_hf_model, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", str(tiny_hf_model("llama")), "--dtype", "float32", "--device", "cpu",
+               "--threads", "1", "--max-num-seqs", "3", "--prompt-lens", "8", "16", "--decode-tokens", "4",
+               "--repeats", "2", "--output", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ttft_16_s" in printed and "ratio" in printed
+    report = json.loads(out.read_text())
+    assert report["config"]["engine_args"]["max_num_seqs"] == 3
+    tm, hf = report["results"]
+    assert (tm["engine"], hf["engine"]) == ("tokenmill", "transformers")
+    for row in (tm, hf):
+        for key in ("load_s", "ttft_8_s", "ttft_16_s", "prefill_16_tok_s", "decode_tok_s", "peak_rss_mib"):
+            assert row[key] > 0, (row["engine"], key)
+        assert row["threads"] == 1, row["engine"]   # --threads reached the engine (and the peer)
+        assert row["dtype"] == "float32"
+    # the same prompt ids and fp32 weights: the same greedy tokens (the model parity tests' claim)
+    assert tm["greedy_tokens"] == hf["greedy_tokens"] and len(tm["greedy_tokens"]) == 4

@@ -163,15 +163,71 @@ def test_peers_command_status_exit_code(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.strip() == peers.LLAMA_CPP_PYTHON_VERSION
 
 
-def test_llama_cpp_worker_runs_without_importing_tokenmill(tmp_path):
-    """The llama.cpp batch-1 process must not load torch (its memory would count as llama.cpp's):
-    compare.py imports nothing but the standard library at module level."""
+# Stands in for llama-cpp-python: the next token is the last one + 1 (mod its vocabulary). It refuses
+# to run in a process that has loaded torch or tokenmill.
+FAKE_LLAMA_CPP = """
+import ctypes, sys
+
+__version__ = "fake"
+N_VOCAB = 8
+
+
+class Llama:
+    def __init__(self, model, n_ctx, **kwargs):
+        loaded = [m for m in ("torch", "tokenmill") if m in sys.modules]
+        if loaded:
+            raise RuntimeError(f"the llama.cpp process has loaded {loaded}")
+        self.ctx = self
+        self.logits = (ctypes.c_float * N_VOCAB)()
+
+    def n_vocab(self):
+        return N_VOCAB
+
+    def reset(self):
+        pass
+
+    def eval(self, ids):
+        for i in range(N_VOCAB):
+            self.logits[i] = float(i == (ids[-1] + 1) % N_VOCAB)
+
+
+def llama_get_logits_ith(ctx, i):
+    return ctx.logits
+"""
+
+
+def test_llama_cpp_batch1_runs_in_a_process_without_torch(tiny_gguf_model, tmp_path, monkeypatch):
+    """compare's llama.cpp batch-1 row, through a fake llama_cpp module: it runs in an interpreter
+    that loaded neither torch nor tokenmill (their memory would count as llama.cpp's) and lands in
+    the table next to tokenmill's row."""
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: peers.PeerStatus(
+        "llama.cpp (llama_cpp)", True, "fake", str(tmp_path / "fake"), "fake"))
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *SMALL, "--concurrency",
+                 "--peers", "llama.cpp", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    row = report["results"]["llama.cpp"]["batch1"]
+    assert row["version"] == "fake" and row["threads"] == 1 and row["peak_rss_mib"] > 0
+    first = row["greedy_tokens"][0]   # the fake's greedy tokens, one eval after the other
+    assert row["greedy_tokens"] == [(first + i) % 8 for i in range(8)]
+    for key, table_row in _rows(report).items():
+        assert isinstance(table_row["llama.cpp"], float) and table_row["llama.cpp"] > 0, key
+        assert table_row["ratio"] == pytest.approx(table_row["tokenmill"] / table_row["llama.cpp"])
+
+
+def test_the_llama_cpp_process_files_import_only_the_standard_library():
+    """batch1.py and procs.py are loaded into the llama.cpp batch-1 process, which must not load
+    torch: running them loads neither torch nor tokenmill."""
     import subprocess
 
-    from tokenmill.bench import compare
+    from tokenmill.bench import batch1, procs
 
-    code = (f"import runpy, sys; runpy.run_path({compare.__file__!r}); "
-            "print('torch' in sys.modules, 'tokenmill' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "False"]
+    for module in (batch1, procs):
+        code = (f"import runpy, sys; runpy.run_path({module.__file__!r}); "
+                "print('torch' in sys.modules, 'tokenmill' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["False", "False"], module.__name__

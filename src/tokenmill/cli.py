@@ -167,11 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "bench", help="benchmarks (print a table, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)
+    from tokenmill.bench import latency
     b = _command(bench, "latency", help="batch-1 load time, TTFT and decode speed vs transformers")
     add_engine_args(b)
-    b.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
-    b.add_argument("--decode-tokens", type=int, default=128)
-    b.add_argument("--repeats", type=int, default=3)
+    latency.add_batch1_args(b)
     b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     b.add_argument("--output", default="bench-results/latency.json")
     b.set_defaults(func=cmd_bench)

@@ -4,12 +4,12 @@ the same thread count for everyone (default 2) and one table of ratios.
 
 What is measured, each engine in its own process, one after the other:
 
-- batch 1 (the same token ids for every engine; a fresh prompt for every repeat, so no prefix
-  cache can help): prefill tokens/s = prompt length / time to the first generated token, for
-  each `--prefill-lens` (128 and 512); decode tokens/s = tokens after the first / time between
-  the first and the last, greedy from a 32-token prompt. Engines: tokenmill's `LLM` API, llama.cpp
-  through llama-cpp-python's `Llama` (`eval` + greedy argmax on its logits, `logits_all` off), and
-  `transformers` `generate` (token times from a streamer).
+- batch 1: `bench latency`'s rows (the same prompt ids for every engine, a fresh prompt for every
+  repeat; prefill tokens/s for each `--prefill-lens`, 128 and 512, and decode tokens/s of 128
+  greedy tokens after a 32-token prompt, as `batch1.measure` defines them). Engines: tokenmill's
+  `LLM` API, llama.cpp through llama-cpp-python's `Llama` (`batch1.llama_cpp`, in a process that
+  does not import torch, whose ~200 MiB would count as llama.cpp's memory), and `transformers`
+  `generate`.
 - concurrent load (`--concurrency`, default 8 and 32): total output tokens/s on the mixed
   workload of `bench throughput` (lengths drawn with a fixed seed, greedy, ignore_eos), streamed
   through the load generator of `bench serve` to `tokenmill serve` and to llama.cpp's C++
@@ -18,9 +18,8 @@ What is measured, each engine in its own process, one after the other:
   (`bench throughput`'s runner).
 - peak resident memory of each engine's process (batch-1 process; server or batch process).
 
-The llama.cpp process for batch 1 runs this file as a script, so it does not import tokenmill or
-torch (whose ~200 MiB would count as llama.cpp's memory). A peer that is not installed is a
-column saying so (and the command says how to install it); the others still run.
+A peer that is not installed is a column saying so (and the command says how to install it); the
+others still run.
 """
 
 from __future__ import annotations
@@ -28,19 +27,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import batch1, peers
+from tokenmill.bench import serve as bench_serve
+from tokenmill.bench.latency import (
+    DEFAULT_DECODE_PROMPT_LEN,
+    add_batch1_args,
+    batch1_config,
+    check_batch1_args,
+    tokenmill_row,
+    transformers_row,
+)
+from tokenmill.bench.procs import load_average, print_load, run_bare, run_spawned, vm_hwm_mib
+from tokenmill.bench.throughput import run_transformers
+from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
+from tokenmill.errors import TokenmillError
+
 DEFAULT_THREADS = 2
-DEFAULT_PREFILL_LENS = [128, 512]
-DEFAULT_DECODE_TOKENS = 128
-DEFAULT_DECODE_PROMPT_LEN = 32
-DEFAULT_REPEATS = 3
 DEFAULT_CONCURRENCY = [8, 32]
 DEFAULT_NUM_REQUESTS = 32    # per concurrency level; `bench throughput`'s issue size is 64 (--num-requests 64)
 ENGINES = ["tokenmill", "llama.cpp", "transformers"]
@@ -52,12 +58,10 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     # --threads (an engine flag, see config.EngineConfig) is every engine's thread count here:
     # torch.set_num_threads, llama.cpp's -t/-tb.
     b.set_defaults(threads=DEFAULT_THREADS)
+    add_batch1_args(b)
     g = b.add_argument_group("compare")
     g.add_argument("--peers", nargs="*", default=["llama.cpp", "transformers"], choices=ENGINES[1:],
                    help="peers to run next to tokenmill (default: both)")
-    g.add_argument("--prefill-lens", type=int, nargs="+", default=DEFAULT_PREFILL_LENS)
-    g.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS)
-    g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="batch-1 repeats (the median is reported)")
     g.add_argument("--concurrency", type=int, nargs="*", default=DEFAULT_CONCURRENCY,
                    help="concurrent-load levels (none: batch 1 only)")
     g.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS,
@@ -73,184 +77,6 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--output", default="bench-results/compare.json")
 
 
-# ---- batch 1: one measuring loop, three engines ---------------------------------------------------
-
-def _measure_batch1(gen, cfg: dict[str, Any]) -> dict[str, Any]:
-    """`gen(ids, n)` generates n tokens greedily from `ids` and returns (start time, the time each
-    generated token became available, the token ids). Returns prefill and decode rates (medians
-    over repeats) and the greedy tokens of the first decode prompt (to check the engines agree)."""
-    for ids in cfg["warmup_prompts"]:   # one of each length: first-call costs stay out of the timings
-        gen(ids, 2)
-    result: dict[str, Any] = {}
-    for n, prompts in cfg["prefill_prompts"].items():
-        ttfts = []
-        for ids in prompts:
-            start, times, _ = gen(ids, 1)
-            ttfts.append(times[0] - start)
-        result[f"prefill_{n}_tok_s"] = int(n) / statistics.median(ttfts)
-        result[f"ttft_{n}_s"] = statistics.median(ttfts)
-    rates = []
-    for i, ids in enumerate(cfg["decode_prompts"]):
-        _, times, tokens = gen(ids, cfg["decode_tokens"])
-        if len(times) != cfg["decode_tokens"] or len(tokens) != cfg["decode_tokens"]:
-            raise RuntimeError(f"asked for {cfg['decode_tokens']} tokens, got {len(tokens)}")
-        rates.append((len(times) - 1) / (times[-1] - times[0]))
-        if i == 0:
-            result["greedy_tokens"] = [int(t) for t in tokens]
-    result["decode_tok_s"] = statistics.median(rates)
-    return result
-
-
-def vm_hwm_mib(pid: int | str) -> float | None:
-    """A live process's peak resident memory (Linux /proc; None elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory, for every benchmark (here because this file also runs as
-    a torch-free script for the llama.cpp worker, which cannot import the tokenmill package). Linux's
-    VmHWM, not getrusage's ru_maxrss: ru_maxrss survives exec, so a child started from a big parent
-    (one that had loaded torch reports >= ~230 MiB whatever it did) would report the parent's peak."""
-    import resource
-
-    hwm = vm_hwm_mib("self")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _batch1_tokenmill(cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(cfg["threads"])
-    from tokenmill import LLM, SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(cfg["model"], **cfg["engine_args"])
-    load_s = time.perf_counter() - t0
-
-    def gen(ids: list[int], n: int) -> tuple[float, list[float], list[int]]:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        times: list[float] = []
-        tokens: list[int] = []
-        start = time.perf_counter()
-        for out in llm.stream(ids, params):
-            now = time.perf_counter()
-            tokens = out.outputs[0].token_ids
-            times += [now] * (len(tokens) - len(times))
-        return start, times, tokens
-
-    from tokenmill.config import resolve_dtype
-
-    result = _measure_batch1(gen, cfg)
-    # transformers runs dense weights: the dtype these settings give a dense model (bf16 where the CPU
-    # has bf16 units), not tokenmill's float32 for its quantized kernels
-    dense = resolve_dtype(llm.engine.config.dtype, llm.engine.device)
-    return {"engine": "tokenmill", "load_s": load_s, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "dense_dtype": str(dense).removeprefix("torch."), "threads": torch.get_num_threads(), **result,
-            "peak_rss_mib": peak_rss_mib()}
-
-
-def _batch1_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(cfg["threads"])
-    import transformers
-    from transformers.generation.streamers import BaseStreamer
-
-    from tokenmill.bench.latency import load_hf_peer
-
-    transformers.logging.set_verbosity_error()
-    dtype = getattr(torch, cfg["dtype"])
-    t0 = time.perf_counter()
-    model = load_hf_peer(cfg["model"], dtype)
-    load_s = time.perf_counter() - t0
-
-    class Clock(BaseStreamer):
-        """Records when generate hands over each tensor: first the prompt, then each new token."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value: Any) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    @torch.inference_mode()
-    def gen(ids: list[int], n: int) -> tuple[float, list[float], list[int]]:
-        inp = torch.tensor([ids])
-        clock = Clock()
-        start = time.perf_counter()
-        out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=cfg["pad_token_id"], streamer=clock)
-        if out.shape[1] != len(ids) + n:
-            raise RuntimeError(f"transformers generated {out.shape[1] - len(ids)} tokens, asked for {n}")
-        return start, clock.times[1:], out[0, len(ids):].tolist()
-
-    result = _measure_batch1(gen, cfg)
-    return {"engine": "transformers", "load_s": load_s, "dtype": cfg["dtype"], "threads": torch.get_num_threads(),
-            **result, "peak_rss_mib": peak_rss_mib()}
-
-
-def _batch1_llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp through llama-cpp-python. Runs in a process that has not imported tokenmill."""
-    import ctypes
-
-    import llama_cpp
-    import numpy as np
-
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(cfg["model"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
-                          n_threads_batch=cfg["threads"], logits_all=False, n_gpu_layers=0, verbose=False)
-    load_s = time.perf_counter() - t0
-    n_vocab = llm.n_vocab()
-
-    def next_token() -> int:
-        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return int(np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
-                   .argmax())
-
-    def gen(ids: list[int], n: int) -> tuple[float, list[float], list[int]]:
-        llm.reset()   # no reuse of the previous prompt's KV: eval() drops every cell from position 0
-        start = time.perf_counter()
-        llm.eval(ids)
-        tokens = [next_token()]
-        times = [time.perf_counter()]
-        for _ in range(n - 1):
-            llm.eval(tokens[-1:])
-            tokens.append(next_token())
-            times.append(time.perf_counter())
-        return start, times, tokens
-
-    result = _measure_batch1(gen, cfg)
-    return {"engine": "llama.cpp", "load_s": load_s, "version": llama_cpp.__version__,
-            "threads": cfg["threads"], "n_ctx": cfg["n_ctx"], **result, "peak_rss_mib": peak_rss_mib()}
-
-
-def _llama_cpp_in_clean_process(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run `_batch1_llama_cpp` by executing this file as a script (see `_worker_main`)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "out.json"
-        cfg_path.write_text(json.dumps(cfg))
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--llama-cpp-worker", str(cfg_path),
-                               str(out_path)], capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"the llama.cpp run failed (status {proc.returncode}): {proc.stderr[-2000:]}")
-        return json.loads(out_path.read_text())
-
-
-def _worker_main(argv: list[str]) -> int:
-    cfg = json.loads(Path(argv[1]).read_text())
-    Path(argv[2]).write_text(json.dumps(_batch1_llama_cpp(cfg)))
-    return 0
-
-
 # ---- concurrent load --------------------------------------------------------------------------------
 
 def _drive(base_url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, seed: int,
@@ -258,8 +84,6 @@ def _drive(base_url: str, prompts: list[list[int]], output_lens: list[int], conc
     """Adapter over `bench serve`'s load generator: N streaming requests at fixed concurrency,
     summarized (output tokens/s, TTFT / ITL / end-to-end percentiles)."""
     import asyncio
-
-    from tokenmill.bench import serve as bench_serve
 
     model = bench_serve.served_model(base_url, None)
     results, elapsed = asyncio.run(bench_serve.run_level(base_url, model, prompts, output_lens, concurrency, None,
@@ -271,8 +95,6 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
                timeout: float) -> dict[str, Any]:
     """Start a server (`start()` -> (process, base_url)), warm it up, drive each level, read its peak
     RSS, stop it."""
-    from tokenmill.bench import serve as bench_serve
-
     process, base_url = start()
     row: dict[str, Any] = {"engine": name, "levels": {}}
     try:
@@ -282,7 +104,7 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
         _drive(base_url, work["warmup_prompts"], [4] * len(work["warmup_prompts"]), len(work["warmup_prompts"]),
                work["seed"], timeout)
         for level in levels:
-            _print_load(f"{name}: {len(work['prompts'])} requests at concurrency {level}")
+            print_load(f"{name}: {len(work['prompts'])} requests at concurrency {level}")
             # Each level gets prompts of its own: a server must not answer one level from its prompt cache of
             # the level before (both tokenmill and llama-server cache prompts).
             row["levels"][str(level)] = _drive(base_url, work["level_prompts"][level], work["output_lens"], level,
@@ -293,16 +115,6 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
         if code not in (0, None, -15):
             print(f"  {name} exited with status {code}; its log: {log_path}", flush=True)
     return row
-
-
-def _static_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
-    """`bench throughput`'s transformers runner (static batches), at this run's thread count."""
-    import torch
-
-    torch.set_num_threads(cfg["threads"])
-    from tokenmill.bench.throughput import run_transformers
-
-    return {**run_transformers(cfg), "peak_rss_mib": peak_rss_mib()}
 
 
 # ---- the command ----------------------------------------------------------------------------------------
@@ -316,42 +128,17 @@ def _guarded(what: str, fn, *args: Any) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {e}"[:4000]}
 
 
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _print_load(what: str) -> None:
-    load = _load_average()
-    print(f"[load average {'-' if load is None else f'{load:.2f}'}] {what} ...", flush=True)
-
-
 def _check_args(args: argparse.Namespace) -> None:
-    from tokenmill.errors import TokenmillError
-
-    for name in ("threads", "decode_tokens", "repeats", "num_requests"):
-        if getattr(args, name) < (2 if name == "decode_tokens" else 1):
-            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= {2 if name == 'decode_tokens' else 1}, "
-                                 f"got {getattr(args, name)}")
-    if any(n < 1 for n in args.prefill_lens):
-        raise TokenmillError(f"--prefill-lens: must be >= 1, got {args.prefill_lens}")
+    check_batch1_args(args)
+    for name in ("threads", "num_requests"):
+        if getattr(args, name) < 1:
+            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if any(c < 1 for c in args.concurrency):
         raise TokenmillError(f"--concurrency: must be >= 1, got {args.concurrency}")
 
 
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
 def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.bench import peers
-    from tokenmill.bench import serve as bench_serve
-    from tokenmill.bench.throughput import check_range, make_lengths, make_prompts, timed_run
-    from tokenmill.config import engine_args as engine_flag_values
-    from tokenmill.errors import TokenmillError
-    from tokenmill.llm import default_model_path
+    from tokenmill.hub import default_model_path
     from tokenmill.tokenizer import load_tokenizer
 
     _check_args(args)
@@ -378,33 +165,19 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     # The workload: the same token ids for every engine.
     tokenizer = load_tokenizer(args.tokenizer or model)
     seed = args.seed
-    max_prefill = max(args.prefill_lens)
-    prefill_prompts = {str(n): make_prompts(tokenizer, [n] * args.repeats, seed, tag=f"Prefill {n}")
-                       for n in args.prefill_lens}
-    decode_prompts = make_prompts(tokenizer, [DEFAULT_DECODE_PROMPT_LEN] * args.repeats, seed, tag="Decode")
-    warmup_prompts = make_prompts(tokenizer, sorted({*args.prefill_lens, DEFAULT_DECODE_PROMPT_LEN}), seed,
-                                  tag="Warm-up")
+    b1 = batch1_config(args, model, tokenizer, seed)
     lengths = make_lengths(args.num_requests, input_range, output_range, seed)
     prompts = make_prompts(tokenizer, [i for i, _ in lengths], seed)
     output_lens = [o for _, o in lengths]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_ids or [0])[0]
-    batch1_ctx = _round_up(max(max_prefill, DEFAULT_DECODE_PROMPT_LEN + args.decode_tokens) + 16, 256)
-    ctx_per_slot = _round_up(input_range[1] + output_range[1] + 16, 256)
+    ctx_per_slot = context_for(input_range[1] + output_range[1])
     slots = max(levels) if levels else 1
-
-    engine_args = {**engine_flag_values(args), "show_progress": False}
-    if engine_args["num_kv_blocks"] is None and engine_args["kv_cache_memory"] is None:
-        # the same KV capacity as llama.cpp's context (the default pool, up to 4 GiB, would count in RSS)
-        engine_args["num_kv_blocks"] = batch1_ctx // args.block_size + 1
-    b1 = {"model": model, "threads": args.threads, "engine_args": engine_args, "prefill_prompts": prefill_prompts,
-          "decode_prompts": decode_prompts, "warmup_prompts": warmup_prompts, "decode_tokens": args.decode_tokens,
-          "n_ctx": batch1_ctx, "pad_token_id": pad}
     cfg: dict[str, Any] = {
         "model": model, "threads": args.threads, "peers": args.peers, "prefill_lens": args.prefill_lens,
-        "decode_tokens": args.decode_tokens, "decode_prompt_len": DEFAULT_DECODE_PROMPT_LEN, "repeats": args.repeats,
-        "concurrency": levels, "num_requests": args.num_requests, "seed": seed, "input_len_range": list(input_range),
-        "output_len_range": list(output_range), "output_tokens": sum(output_lens), "batch1_n_ctx": batch1_ctx,
-        "server_slots": slots, "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(),
+        "decode_tokens": args.decode_tokens, "decode_prompt_len": DEFAULT_DECODE_PROMPT_LEN,
+        "repeats": args.repeats, "concurrency": levels, "num_requests": args.num_requests, "seed": seed,
+        "input_len_range": list(input_range), "output_len_range": list(output_range),
+        "output_tokens": sum(output_lens), "batch1_n_ctx": b1["n_ctx"], "server_slots": slots,
+        "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(),
         "llama_cpp_python_pin": peers.LLAMA_CPP_PYTHON_VERSION,
     }
     results: dict[str, dict[str, Any]] = {e: {"engine": e} for e in ENGINES}
@@ -414,23 +187,23 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         """Before each run: save what is measured so far (a run stopped later keeps it), print the load."""
         out_path.write_text(json.dumps({"config": cfg, "partial": True, "load_average_before": load_avgs,
                                         "results": results}, indent=2, default=str))
-        load_avgs[label] = _load_average()
-        _print_load(label)
+        load_avgs[label] = load_average()
+        print_load(label)
 
     # ---- batch 1 ----
     note_load("tokenmill batch 1")
-    results["tokenmill"]["batch1"] = timed_run(_batch1_tokenmill, b1)
+    results["tokenmill"]["batch1"] = run_spawned(tokenmill_row, b1)
     dtype = results["tokenmill"]["batch1"]["dense_dtype"]   # the transformers peer's
     if "llama.cpp" in args.peers:
         if status["llama_cpp"].available:
             note_load("llama.cpp (llama_cpp.Llama) batch 1")
-            results["llama.cpp"]["batch1"] = _guarded("llama.cpp batch 1", _llama_cpp_in_clean_process, b1,
+            results["llama.cpp"]["batch1"] = _guarded("llama.cpp batch 1", run_bare, batch1.llama_cpp, b1,
                                                       args.timeout * 4)
         else:
             results["llama.cpp"]["batch1"] = {"missing": status["llama_cpp"].detail}
     if "transformers" in args.peers:
         note_load(f"transformers batch 1 ({dtype})")
-        results["transformers"]["batch1"] = _guarded("transformers batch 1", timed_run, _batch1_transformers,
+        results["transformers"]["batch1"] = _guarded("transformers batch 1", run_spawned, transformers_row,
                                                      {**b1, "dtype": dtype})
 
     # ---- concurrent load ----
@@ -476,10 +249,10 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results["llama.cpp"]["concurrent"] = {"missing": status["llama_server"].detail}
         if "transformers" in args.peers:
             note_load(f"transformers static batches of {levels}")
-            row = _guarded("transformers static batches", timed_run, _static_transformers, {
+            row = _guarded("transformers static batches", run_spawned, run_transformers, {
                 "model": model, "threads": args.threads, "resolved_dtype": dtype,
                 "resolved_device": "cpu", "peer_num_requests": len(prompts), "prompts": prompts,
-                "output_lens": output_lens, "pad_token_id": pad, "hf_batch_sizes": levels})
+                "output_lens": output_lens, "pad_token_id": b1["pad_token_id"], "hf_batch_sizes": levels})
             if "error" not in row:
                 row["levels"] = {str(r["batch_size"]): r for r in row["per_batch_size"]}
             results["transformers"]["concurrent"] = row
@@ -612,6 +385,3 @@ def cmd_compare(args: argparse.Namespace) -> int:
               if isinstance(r[e], str) and (r[e] == "error" or "failed" in r[e])]
     return 1 if broken else 0
 
-
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--llama-cpp-worker":
-    sys.exit(_worker_main(sys.argv[1:]))

@@ -162,7 +162,7 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
-    from tokenmill.llm import default_model_path
+    from tokenmill.hub import default_model_path
 
     report = run_quality(args.model_path or default_model_path(), args.modes, args.dtype, args.context,
                          args.chunk_size)

@@ -9,6 +9,11 @@ the compute dtype, or for quantized weights tokenmill's int4/int8 kernel, in flo
 and the bytes are those held (packed weights, the KV cache in its own dtype). The engine then runs
 the same step and the table shows the measured tokens/s as a fraction of the bound. Prefill (one
 prompt) is the same sum with T rows.
+
+Batch 1 (decode at batch 1, and the prefill row) is measured as `bench latency` and `bench
+compare` measure it (`batch1.measure`: greedy through `LLM.stream`, the median over fresh
+prompts), so the three agree on the same model and flags; larger decode batches are timed over
+engine steps.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from typing import Any
 
 import torch
 
+from tokenmill.bench import batch1
+from tokenmill.bench.latency import stream_gen
+from tokenmill.bench.workload import batch1_prompts
 from tokenmill.config import ModelConfig
 
 
@@ -145,35 +153,18 @@ def _measure_decode(llm, batch: int, context: int, steps: int) -> float:
     return batch * steps / elapsed
 
 
-def _measure_prefill(llm, length: int, repeats: int) -> float:
-    from tokenmill import SamplingParams
-
-    engine = llm.engine
-    rng = random.Random(length)
-    vocab = engine.model_config.vocab_size
-    best = float("inf")
-    for i in range(repeats + 1):   # the first is a warm-up
-        ids = [rng.randrange(vocab) for _ in range(length)]   # fresh ids: no prefix-cache hit
-        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        start = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return length / best
-
-
 def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill import LLM
+    from tokenmill.config import engine_args
     from tokenmill.engine.kv_cache import kv_bytes_per_token
     from tokenmill.errors import TokenmillError
     from tokenmill.models.loader import weight_forms
 
-    if any(b < 1 for b in args.batch_size) or args.context < 1 or args.prefill_len < 1:
-        raise TokenmillError("--batch-size, --context and --prefill-len must be >= 1")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_size),
-              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
-              attention_backend=args.attention_backend)
+    if any(b < 1 for b in args.batch_size) or min(args.context, args.prefill_len, args.steps, args.repeats) < 1:
+        raise TokenmillError("--batch-size, --context, --prefill-len, --steps and --repeats must be >= 1")
+    # every engine flag as given, but room for the largest decode batch and the prefill row in one step
+    llm = LLM(args.model, **{**engine_args(args), "max_num_seqs": max(args.max_num_seqs, *args.batch_size),
+                             "max_num_batched_tokens": max(args.max_num_batched_tokens, args.prefill_len)})
     engine = llm.engine
     if engine.device.type != "cpu":
         raise TokenmillError("bench roofline measures this CPU; run it with --device cpu")
@@ -184,16 +175,18 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     weights = weight_bytes_per_step(engine.model, cfg.vocab_size)
     kv_token = kv_bytes_per_token(cfg, engine.kv_dtype)
     per_row = matmul_flops_per_row(cfg)
+    work = {**batch1_prompts(llm.tokenizer, [args.prefill_len], args.context, args.repeats, seed=0),
+            "decode_tokens": args.steps + 1}   # steps decode steps after the first token
+    at_batch1 = batch1.measure(stream_gen(llm), work)
     rows = []
     for batch in args.batch_size:
-        measured = _measure_decode(llm, batch, args.context, args.steps)
+        measured = at_batch1["decode_tok_s"] if batch == 1 else _measure_decode(llm, batch, args.context, args.steps)
         nbytes = weights + batch * (args.context + 1) * kv_token
         flops = batch * per_row + attention_flops(cfg, batch, args.context + 1)
         rows.append(bound(f"decode batch {batch}, context {args.context}", batch, nbytes, flops, machine, measured))
-    measured = _measure_prefill(llm, args.prefill_len, args.repeats)
     n = args.prefill_len
     rows.append(bound(f"prefill {n} tokens", n, weights + n * kv_token, n * per_row +
-                      attention_flops(cfg, n, (n + 1) // 2), machine, measured))
+                      attention_flops(cfg, n, (n + 1) // 2), machine, at_batch1[f"prefill_{n}_tok_s"]))
 
     print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "
           f"weights read per step: {weights / 2**20:.1f} MiB  KV ({str(engine.kv_dtype).removeprefix('torch.')}): "
@@ -222,7 +215,7 @@ def add_roofline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens per request during decode")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt length of the prefill row")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
-    p.add_argument("--repeats", type=int, default=3, help="prefill repeats (best is reported)")
+    p.add_argument("--repeats", type=int, default=3, help="batch-1 repeats (prefill, decode; the median is reported)")
     p.add_argument("--output", default="bench-results/roofline.json")
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.throughput import make_lengths, make_prompts
+from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
 from tokenmill.config import engine_argv
 from tokenmill.errors import TokenmillError
 
@@ -278,8 +278,6 @@ def start_llama_server(binary: str, model: str, slots: int, ctx_per_slot: int, e
 # ---- the command ---------------------------------------------------------------------------------
 
 def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], list[int | None]]:
-    from tokenmill.bench.throughput import check_range
-
     input_range = check_range("--input-len-range", args.input_len_range)
     output_range = check_range("--output-len-range", args.output_len_range)
     if args.num_requests < 1:
@@ -295,7 +293,7 @@ def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], 
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.llm import default_model_path
+    from tokenmill.hub import default_model_path
     from tokenmill.tokenizer import load_tokenizer
 
     input_range, output_range, levels = _check(args)
@@ -327,7 +325,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
            "input_tokens": sum(input_lens), "output_tokens": sum(output_lens),
            "concurrency": levels, "request_rate": args.request_rate, "tokenmill_flags": engine_argv(args),
            "cpu_count": os.cpu_count()}
-    ctx_per_slot = -(-(input_range[1] + output_range[1] + 16) // 256) * 256
+    ctx_per_slot = context_for(input_range[1] + output_range[1])
     rows: list[dict[str, Any]] = []
     for name, base_url, api_key in targets:
         process = None

@@ -23,31 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import random
-import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.latency import load_hf_peer, peak_rss_mib
-
-_TEXT = (
-    "The history of computing is a story of people who wanted to calculate faster than they could by hand. "
-    "From the abacus to mechanical calculators, from punched cards to transistors, every generation built "
-    "tools that made the previous one look slow. Charles Babbage designed an engine of brass gears that "
-    "would have printed its own tables, and Ada Lovelace wrote that it might one day compose music. A "
-    "century later, rooms full of vacuum tubes computed artillery tables and broke codes, while engineers "
-    "replaced the tubes one by one as they burned out. The transistor made machines smaller and cheaper; "
-    "the integrated circuit put thousands of them on a chip, and then millions, and then billions. Each "
-    "step changed who could use a computer: first governments, then banks and universities, then offices, "
-    "then homes, and finally pockets. Software grew alongside the hardware, from hand-wired programs to "
-    "assembly, compilers, operating systems and networks that tied the world together. Today a phone holds "
-    "more memory than every computer of the nineteen sixties combined, and people ask it questions in plain "
-    "language. "
-)
+from tokenmill.bench.latency import load_hf_peer
+from tokenmill.bench.procs import RSSSampler, rss_mib, run_spawned
+from tokenmill.bench.workload import check_range, make_lengths, make_prompts, pad_token_id
+from tokenmill.errors import TokenmillError
 
 # Leave-one-out rows: engine options over the baseline (everything on).
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -69,70 +53,8 @@ DEFAULT_RUN_MINUTES = 9          # a default run on the 2-core CPU when nothing 
 RSS_GROWTH_TOLERANCE_MIB = 32.0   # allocator noise; more than this after warm-up counts as growth
 
 
-# ---- the workload ------------------------------------------------------------------------------
-
-def make_lengths(num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int],
-                 seed: int) -> list[tuple[int, int]]:
-    """(input_len, output_len) per request, each uniform in its inclusive range."""
-    rng = random.Random(seed)
-    return [(rng.randint(*input_range), rng.randint(*output_range)) for _ in range(num_requests)]
-
-
-def make_prompts(tokenizer, input_lens: list[int], seed: int, tag: str = "Request") -> list[list[int]]:
-    """Token-id prompts of exactly `input_lens[i]` tokens: a per-request tag, then the fixed text
-    from a random offset (the chained block hashes then differ from the first block on)."""
-    stream = tokenizer.encode(_TEXT * (2 + max(input_lens) // 100), add_special_tokens=False)
-    period = len(tokenizer.encode(_TEXT, add_special_tokens=False))
-    if len(stream) < period + max(input_lens):
-        raise ValueError(f"bench text too short for a {max(input_lens)}-token prompt")
-    rng = random.Random(seed + 1)
-    prompts = []
-    for i, n in enumerate(input_lens):
-        offset = rng.randrange(period)
-        ids = tokenizer.encode(f"{tag} {i}: ", add_special_tokens=False) + stream[offset:offset + n]
-        prompts.append(ids[:n])
-    return prompts
-
-
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-# ---- memory ------------------------------------------------------------------------------------
-
-def _rss_mib() -> float:
-    """Current resident memory (Linux /proc); elsewhere the peak so far, the closest portable value."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return peak_rss_mib()
-
-
-class _RSSSampler:
-    """Samples this process's resident memory every `interval` seconds on a background thread."""
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []   # (seconds since start, MiB)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        start = time.perf_counter()
-        while True:
-            self.samples.append((time.perf_counter() - start, _rss_mib()))
-            if self._stop.wait(self.interval):
-                break
-
-    def __enter__(self) -> _RSSSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append((self.samples[-1][0] if self.samples else 0.0, _rss_mib()))
 
 
 def _downsample(samples: list[tuple[float, float]], n: int = 12) -> list[list[float]]:
@@ -177,13 +99,13 @@ def _run_tokenmill(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, An
     # Warm-up (prompts of their own, so the run finds none of them in the prefix cache).
     llm.generate(cfg["warmup_prompts"], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
-    rss_after_warmup = _rss_mib()
+    rss_after_warmup = rss_mib()
 
     kv, scheduler = llm.engine.kv, llm.engine.scheduler
     queries, hits, preemptions = kv.prefix_queries, kv.prefix_hits, scheduler.num_preemptions
     batch = llm.engine.config.max_num_seqs if static else len(prompts)
     outputs = []
-    with _RSSSampler(cfg["rss_interval_s"]) as sampler:
+    with RSSSampler(cfg["rss_interval_s"]) as sampler:
         start, cpu_start = time.perf_counter(), time.process_time()
         for idx in _chunks(list(range(len(prompts))), batch):
             outputs += llm.generate([prompts[i] for i in idx], [params[i] for i in idx], use_tqdm=False)
@@ -202,7 +124,6 @@ def _run_tokenmill(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "prefix_hit_rate": (kv.prefix_hits - hits) / max(1, kv.prefix_queries - queries),
         "num_preemptions": scheduler.num_preemptions - preemptions,
         "static_batch_size": batch if static else None,
-        "peak_rss_mib": peak_rss_mib(),
         "rss_after_warmup_mib": rss_after_warmup,
         "rss_max_during_run_mib": rss_max,
         "rss_growth_after_warmup_mib": rss_max - rss_after_warmup,
@@ -213,7 +134,12 @@ def _run_tokenmill(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, An
 
 
 def run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers on the requests in static batches of each size in cfg["hf_batch_sizes"], with
+    cfg["threads"] (None: torch's default); run it in a fresh process (`procs.run_spawned`)."""
     import torch
+
+    if cfg["threads"] is not None:
+        torch.set_num_threads(cfg["threads"])
     import transformers
 
     transformers.logging.set_verbosity_error()   # generation-config notes, one per generate call
@@ -250,42 +176,12 @@ def run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
     best = max(per_batch_size, key=lambda r: r["output_tok_s"])
     return {"engine": "transformers", "config": f"static batches of {best['batch_size']}", "load_s": load_s,
             "dtype": str(dtype), "device": str(device), "torch_threads": torch.get_num_threads(),
-            "num_requests": len(prompts), **best,
-            "per_batch_size": per_batch_size, "peak_rss_mib": peak_rss_mib()}
-
-
-def timed_run(fn, *args: Any) -> dict[str, Any]:
-    """Run fn(*args) in a fresh spawned process (a worker that dies raises instead of hanging);
-    its row also records the system load around it, since other work on the cores slows every rate."""
-    load_before = _load_average()
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        row = pool.submit(fn, *args).result()
-    return {**row, "load_avg_before": load_before, "load_avg_after": _load_average()}
-
-
-def _load_average() -> float | None:
-    """The 1-minute system load average (None where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-# ---- the command -------------------------------------------------------------------------------
-
-def check_range(name: str, lo_hi: list[int]) -> tuple[int, int]:
-    from tokenmill.errors import TokenmillError
-
-    lo, hi = lo_hi
-    if not 1 <= lo <= hi:
-        raise TokenmillError(f"{name}: need 1 <= MIN <= MAX, got {lo} {hi}")
-    return lo, hi
+            "num_requests": len(prompts), **best, "per_batch_size": per_batch_size}
 
 
 def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.config import engine_args
-    from tokenmill.errors import TokenmillError
-    from tokenmill.llm import default_model_path
+    from tokenmill.hub import default_model_path
     from tokenmill.tokenizer import load_tokenizer
 
     input_range = check_range("--input-len-range", args.input_len_range)
@@ -309,14 +205,14 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(tokenizer, [i for i, _ in lengths], args.seed)
     output_lens = [o for _, o in lengths]
     peer_n = min(args.peer_num_requests, args.num_requests)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_ids or [0])[0]
     cfg: dict[str, Any] = {
         "model": model, "engine_args": {**engine_args(args), "show_progress": False},
         "num_requests": args.num_requests, "seed": args.seed,
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "input_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
-        "peer": not args.no_peer, "peer_num_requests": peer_n, "hf_batch_sizes": args.hf_batch_size,
-        "pad_token_id": pad, "rss_interval_s": 0.5, "cpu_count": os.cpu_count(),
+        "peer": not args.no_peer, "threads": args.threads, "peer_num_requests": peer_n,
+        "hf_batch_sizes": args.hf_batch_size,
+        "pad_token_id": pad_token_id(tokenizer), "rss_interval_s": 0.5, "cpu_count": os.cpu_count(),
     }
     # Warm-up: one full step of prefill (the token budget) then one decode step of max_num_seqs
     # requests, so activation buffers are near their steady size before the memory baseline.
@@ -329,12 +225,12 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for options in variants:
         print(f"running tokenmill ({_variant_name({**cfg['engine_args'], **options})}) ...", flush=True)
-        rows.append(timed_run(_run_tokenmill, work, options))
+        rows.append(run_spawned(_run_tokenmill, work, options))
     cfg["resolved_dtype"] = rows[0]["dtype"].removeprefix("torch.")
     cfg["resolved_device"] = rows[0]["device"]
     if not args.no_peer:
         print(f"running transformers (batch sizes {args.hf_batch_size}, {peer_n} requests) ...", flush=True)
-        rows.append(timed_run(run_transformers, {**work, **cfg}))
+        rows.append(run_spawned(run_transformers, {**work, **cfg}))
     cfg["wall_s"] = time.perf_counter() - bench_start
 
     _print_report(cfg, rows)

@@ -1,0 +1,83 @@
+"""Batch 1, measured one way for every benchmark (`bench latency`, `bench compare`, `bench roofline`)
+and every engine, and llama.cpp's batch-1 run.
+
+- prefill tokens/s of a length n = n / the time to the first generated token (TTFT), the median
+  over fresh prompts (one per repeat: no prefix cache can help);
+- decode tokens/s = tokens after the first / the time between the first and the last, greedy,
+  ignore_eos, the median over repeats.
+
+Standard library only (this file is a leaf): llama.cpp's run goes through `procs.run_bare`, in a
+process that must not import torch (whose ~200 MiB would count as llama.cpp's memory), and
+importing anything of tokenmill would.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+# gen(ids, n): generate n tokens greedily from the prompt ids; returns (the start time, the time
+# each generated token became available, the token ids)
+Generate = Callable[[list[int], int], tuple[float, list[float], list[int]]]
+
+
+def measure(gen: Generate, work: dict[str, Any]) -> dict[str, Any]:
+    """Prefill and decode rates of `gen` on `work` (`workload.batch1_prompts` and `decode_tokens`),
+    and the greedy tokens of the first decode prompt (to check that engines agree)."""
+    for ids in work["warmup_prompts"]:
+        gen(ids, 2)
+    result: dict[str, Any] = {}
+    for n, prompts in work["prefill_prompts"].items():
+        ttfts = []
+        for ids in prompts:
+            start, times, _ = gen(ids, 1)
+            ttfts.append(times[0] - start)
+        result[f"prefill_{n}_tok_s"] = int(n) / statistics.median(ttfts)
+        result[f"ttft_{n}_s"] = statistics.median(ttfts)
+    rates = []
+    for i, ids in enumerate(work["decode_prompts"]):
+        _, times, tokens = gen(ids, work["decode_tokens"])
+        if len(times) != work["decode_tokens"] or len(tokens) != work["decode_tokens"]:
+            raise RuntimeError(f"asked for {work['decode_tokens']} tokens, got {len(tokens)}")
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+        if i == 0:
+            result["greedy_tokens"] = [int(t) for t in tokens]
+    result["decode_tok_s"] = statistics.median(rates)
+    return result
+
+
+def llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp through llama-cpp-python (`eval` + greedy argmax on its logits, `logits_all` off),
+    on cfg's model, threads and context; run it with `procs.run_bare`."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(cfg["model"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
+                          n_threads_batch=cfg["threads"], logits_all=False, n_gpu_layers=0, verbose=False)
+    load_s = time.perf_counter() - t0
+    n_vocab = llm.n_vocab()
+
+    def next_token() -> int:
+        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+                   .argmax())
+
+    def gen(ids: list[int], n: int) -> tuple[float, list[float], list[int]]:
+        llm.reset()   # no reuse of the previous prompt's KV: eval() drops every cell from position 0
+        start = time.perf_counter()
+        llm.eval(ids)
+        tokens = [next_token()]
+        times = [time.perf_counter()]
+        for _ in range(n - 1):
+            llm.eval(tokens[-1:])
+            tokens.append(next_token())
+            times.append(time.perf_counter())
+        return start, times, tokens
+
+    return {"engine": "llama.cpp", "load_s": load_s, "version": llama_cpp.__version__, "threads": cfg["threads"],
+            "n_ctx": cfg["n_ctx"], **measure(gen, cfg)}

@@ -252,3 +252,29 @@ def test_engine_step_returns_the_failed_request(tiny_hf_model, solo, monkeypatch
         engine.step()
     assert good.output_token_ids == solo[0]
     assert engine.num_free_blocks == engine.pool.num_blocks
+
+
+def test_the_cli_reports_a_failed_request(tiny_hf_model, monkeypatch, capsys):
+    """`tokenmill generate` exits 1 with the error (not "[finish_reason: error]" and 0); `chat`
+    says so, drops the turn and goes on."""
+    from tokenmill.cli import main
+
+    def broken(self, scheduled):
+        raise RuntimeError("injected: the step fails")
+
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    model = ["--model", str(tiny_hf_model("llama")), "--dtype", "float32", "--max-tokens", "3"]
+    assert main(["generate", "Hello", *model]) == 1
+    err = capsys.readouterr().err
+    assert "tokenmill: error: the request failed: RuntimeError: injected: the step fails" in err
+    lines = iter(["hi", "again"])
+
+    def typed(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert main(["chat", *model]) == 0
+    assert capsys.readouterr().err.count("tokenmill: error: the reply failed") == 2

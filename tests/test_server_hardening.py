@@ -318,3 +318,19 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_then_done(
     finally:
         stop_process(s.proc)
 
+
+
+def test_server_status_says_what_the_server_is_doing(inproc):
+    """/health's and the 503's words: loading, failed (the model did not load), shutting down (a
+    drain included), ok."""
+    from tokenmill.server.app import ServerState
+
+    state = ServerState(ServerConfig(model="m", served_model_name="m"), None, None, None)
+    assert state.status() == "loading"
+    state.load_error = RuntimeError("no")
+    assert state.status() == "failed"
+    with pytest.raises(Exception, match="without a model"):
+        state.ready_engine()
+    state.stopping = True
+    assert state.status() == "shutting down"
+    assert httpx.get(inproc.base + "/health").json() == {"status": "ok"}

@@ -156,11 +156,21 @@ def test_hub_ids_load_from_the_cache(hub_cache, tiny_hf_model, model):
 
 @pytest.mark.parametrize(("model", "words"), [
     ("tiny-org/not-cached", ["tiny-org/not-cached", "not in the local Hugging Face cache", "HF_HUB_OFFLINE"]),
-    ("tiny-org/tiny-llama-GGUF:Q5_K", ["exactly one GGUF", "found: none"]),
+    # a cached snapshot without the asked file is no hit (offline: then not in the cache)
+    ("tiny-org/tiny-llama-GGUF:Q5_K", ["tiny-org/tiny-llama-GGUF", "not in the local Hugging Face cache"]),
+    ("tiny-org/tiny-llama-GGUF/other.gguf", ["tiny-org/tiny-llama-GGUF", "not in the local Hugging Face cache"]),
+    ("tiny-org/tiny-llama-GGUF/tiny-llama-Q8_0.gguf/x", ["model path does not exist"]),   # no id: a path
     ("tiny-org/tiny-llama-GGUF:tiny", ["exactly one GGUF", "tiny-llama-Q4_1.gguf", "tiny-llama-Q8_0.gguf"]),
 ])
 def test_hub_id_errors_are_one_line(hub_cache, model, words):
     r = run_cli(hub_cache, "generate", "Hello", "--model", model, "--max-tokens", "2")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("tokenmill: error: model:") and all(w in last for w in words), last
+    assert last.startswith("tokenmill: error: model") and all(w in last for w in words), last
+
+
+@pytest.mark.parametrize(("setting", "value"), [("enable_prefix_caching", "no"), ("model", 123),
+                                                ("chat_template", ["x"]), ("enable_chunked_prefill", 1)])
+def test_settings_of_the_wrong_type_name_themselves(setting, value):
+    with pytest.raises(TokenmillError, match=setting):
+        EngineConfig(**{setting: value})

@@ -17,6 +17,7 @@ from typing import Any
 from tokenmill.config import add_engine_args, engine_args
 from tokenmill.errors import TokenmillError
 from tokenmill.llm import LLM
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling import SamplingParams
 
 
@@ -55,7 +56,8 @@ def _load(args: argparse.Namespace) -> tuple[LLM, SamplingParams]:
     return llm, _sampling_params(args, llm.get_default_sampling_params())
 
 
-def _print_stream(outputs) -> str:
+def _print_stream(outputs) -> RequestOutput | None:
+    """Write each output's new text as it comes; the last output."""
     printed = ""
     last = None
     for out in outputs:
@@ -64,7 +66,7 @@ def _print_stream(outputs) -> str:
         sys.stdout.flush()
         printed = text
         last = out
-    return last.outputs[0].finish_reason if last is not None else "abort"
+    return last
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,9 +74,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = llm.stream(args.prompt, params)
     first = next(stream)  # submits the request: a prompt the engine refuses fails before any output
     sys.stdout.write(args.prompt)
-    reason = _print_stream(itertools.chain([first], stream))
+    last = _print_stream(itertools.chain([first], stream))
     sys.stdout.write("\n")
-    print(f"[finish_reason: {reason}]", file=sys.stderr)
+    if last.error is not None:   # (logged with its traceback too)
+        print(f"tokenmill: error: the request failed: {last.error}", file=sys.stderr)
+        return 1
+    print(f"[finish_reason: {last.outputs[0].finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -93,14 +98,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
-        reply = ""
-        for out in llm.stream(sampling_params=params, messages=messages):
-            text = out.outputs[0].text
-            sys.stdout.write(text[len(reply):])
-            sys.stdout.flush()
-            reply = text
+        last = _print_stream(llm.stream(sampling_params=params, messages=messages))
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": reply})
+        if last.error is not None:   # the turn is dropped from the history; the chat goes on
+            print(f"tokenmill: error: the reply failed: {last.error}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": last.outputs[0].text})
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -160,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.server.command import add_serve_args
     p = _command(sub, "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="a .gguf file or an HF folder (default: the embedded SmolLM2-135M-Instruct GGUF)")
+                   help="a .gguf file, an HF folder or a Hugging Face id (default: the embedded "
+                   "SmolLM2-135M-Instruct GGUF)")
     add_engine_args(p)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)

@@ -236,6 +236,11 @@ class EngineConfig:
     show_progress: bool = setting(False, "progress bars while loading", cli=False)
 
     def __post_init__(self) -> None:
+        for f in fields(self):   # the types ints and sizes are not checked for below
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool) or \
+                    f.type in ("str", "str | None") and not isinstance(value, str) and value is not None:
+                raise TokenmillError(f"{f.name} must be {f.type.replace(' | None', ' or None')}, got {value!r:.60}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
         if isinstance(self.kv_cache_memory, str):

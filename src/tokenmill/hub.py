@@ -38,6 +38,11 @@ def default_model_path() -> str:
     return str(files[0])
 
 
+def model_path(model: str | None) -> str:
+    """The local path of a model given as a path, a hub id, or None (the embedded default)."""
+    return resolve_model(model) if model is not None else default_model_path()
+
+
 def resolve_model(model: str) -> str:
     """The local path of `model`: itself when it exists (or is no hub id), else the hub id's files
     from the cache, downloaded first when allowed."""
@@ -71,15 +76,21 @@ def _snapshot(repo: str, patterns: list[str]) -> str:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return snapshot_download(repo, allow_patterns=patterns, local_files_only=True)
+        folder = snapshot_download(repo, allow_patterns=patterns, local_files_only=True)
+        # A cached snapshot is returned whether or not it holds these files (one quantization of
+        # a repo downloaded, another asked for): only a folder that has them is a hit.
+        if any(any(Path(folder).rglob(p)) for p in patterns if p != "*.txt"):
+            return folder
     except LocalEntryNotFoundError:
         pass
     if constants.HF_HUB_OFFLINE:
-        raise TokenmillError(f"model: {repo} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                             "HF_HUB_OFFLINE is set: download it where the hub is reachable, or pass a local path")
+        raise TokenmillError(f"model: {repo} is no local path and not in the local Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: download it where the hub is "
+                             "reachable, or pass a local path")
     try:
         return snapshot_download(repo, allow_patterns=patterns)
     except Exception as e:   # no network, unknown or gated repo: all a user problem to fix
-        raise TokenmillError(f"model: could not download {repo} from the Hugging Face Hub ({type(e).__name__}: "
+        raise TokenmillError(f"model: {repo} is no local path and could not be downloaded from the Hugging Face Hub "
+                             f"({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}); pass a local path, or set "
                              "HF_HUB_OFFLINE=1 to use the local cache only") from e

@@ -24,7 +24,8 @@ from tokenmill.tokenizer import Tokenizer
 
 
 class LLM:
-    """Load a model (a .gguf file, an HF folder, or None for the embedded default) and generate."""
+    """Load a model (a .gguf file, an HF folder, a Hugging Face id, or None for the embedded
+    default) and generate."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         """`engine_args`: the fields of EngineConfig (`tokenizer`, `dtype`, `max_num_seqs`, ...)."""

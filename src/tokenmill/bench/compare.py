@@ -138,13 +138,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.hub import default_model_path
+    from tokenmill.hub import model_path
     from tokenmill.tokenizer import load_tokenizer
 
     _check_args(args)
     input_range = check_range("--input-len-range", args.input_len_range)
     output_range = check_range("--output-len-range", args.output_len_range)
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     if not Path(model).is_file() or not model.endswith(".gguf"):
         raise TokenmillError(f"--model: bench compare needs a .gguf file (llama.cpp runs it too), got {model!r}")
     levels = sorted(set(args.concurrency))
@@ -163,7 +163,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{s.name}: {s.detail}", flush=True)
 
     # The workload: the same token ids for every engine.
-    tokenizer = load_tokenizer(args.tokenizer or model)
+    tokenizer = load_tokenizer(model_path(args.tokenizer) if args.tokenizer else model)
     seed = args.seed
     b1 = batch1_config(args, model, tokenizer, seed)
     lengths = make_lengths(args.num_requests, input_range, output_range, seed)

@@ -157,12 +157,12 @@ def transformers_row(cfg: dict[str, Any]) -> dict[str, Any]:
 # ---- the command --------------------------------------------------------------------------------
 
 def run_latency_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.hub import default_model_path
+    from tokenmill.hub import model_path
     from tokenmill.tokenizer import load_tokenizer
 
     check_batch1_args(args)
-    model = args.model or default_model_path()
-    b1 = batch1_config(args, model, load_tokenizer(args.tokenizer or model))
+    model = model_path(args.model)
+    b1 = batch1_config(args, model, load_tokenizer(model_path(args.tokenizer) if args.tokenizer else model))
     print_load("tokenmill batch 1")
     rows = [run_spawned(tokenmill_row, b1)]
     dtype = rows[0]["dense_dtype"]

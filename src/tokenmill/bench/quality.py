@@ -162,9 +162,9 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
-    from tokenmill.hub import default_model_path
+    from tokenmill.hub import model_path
 
-    report = run_quality(args.model_path or default_model_path(), args.modes, args.dtype, args.context,
+    report = run_quality(model_path(args.model_path), args.modes, args.dtype, args.context,
                          args.chunk_size)
     print_quality(report)
     out = Path(args.output)

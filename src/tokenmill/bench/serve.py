@@ -293,13 +293,13 @@ def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], 
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.hub import default_model_path
+    from tokenmill.hub import model_path
     from tokenmill.tokenizer import load_tokenizer
 
     input_range, output_range, levels = _check(args)
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     llama_server = resolve_llama_server(args.llama_server, model) if args.llama_server else None
-    tokenizer = load_tokenizer(args.tokenizer or model)
+    tokenizer = load_tokenizer(model_path(args.tokenizer) if args.tokenizer else model)
     lengths = make_lengths(args.num_requests, input_range, output_range, args.seed)
     input_lens = [i for i, _ in lengths]
     # One prompt set per level: a level replaying the previous level's prompts would find them in the

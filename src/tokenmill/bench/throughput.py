@@ -181,7 +181,7 @@ def run_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.config import engine_args
-    from tokenmill.hub import default_model_path
+    from tokenmill.hub import model_path
     from tokenmill.tokenizer import load_tokenizer
 
     input_range = check_range("--input-len-range", args.input_len_range)
@@ -199,8 +199,8 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
                              "--no-enable-prefix-caching / --no-enable-chunked-prefill, or pass --skip-ablations")
     else:
         variants = list(VARIANTS.values())
-    model = args.model or default_model_path()
-    tokenizer = load_tokenizer(args.tokenizer or model)
+    model = model_path(args.model)
+    tokenizer = load_tokenizer(model_path(args.tokenizer) if args.tokenizer else model)
     lengths = make_lengths(args.num_requests, input_range, output_range, args.seed)
     prompts = make_prompts(tokenizer, [i for i, _ in lengths], args.seed)
     output_lens = [o for _, o in lengths]

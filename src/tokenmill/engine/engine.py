@@ -145,13 +145,14 @@ class LLMEngine:
 
         One request's failure never reaches the others. A step whose forward or sampling raises
         is run again one request at a time (a request's tokens do not depend on its batch, and
-        seeded generators are rewound first, so the survivors get exactly the tokens the whole
-        step would have given them); a request that fails alone too ends with finish_reason
+        seeded generators are rewound first, so greedy and seeded survivors get exactly the tokens
+        the whole step would have given them); a request that fails alone too ends with finish_reason
         "error". A failure while appending a request's token ends that request alone."""
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
-        generator_states = [(r.generator, r.generator.get_state()) for r, _ in scheduled if r.generator is not None]
+        generator_states = [(r.generator, r.generator.get_state()) for r, n in scheduled
+                            if r.generator is not None and r.num_computed_tokens + n == r.num_tokens]   # samples now
         failed: list[Request] = []
         try:
             results = self.runner.execute(scheduled)

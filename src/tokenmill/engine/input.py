@@ -18,7 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import check_prompt_token_ids
 from tokenmill.errors import TokenmillError
-from tokenmill.hub import default_model_path, resolve_model
+from tokenmill.hub import model_path, resolve_model
 from tokenmill.sampling import SamplingParams
 from tokenmill.tokenizer import (
     Tokenizer,
@@ -84,7 +84,7 @@ def load_engine(model: str | None = None, **engine_args: Any) -> tuple[LLMEngine
         config = EngineConfig(model=model, **engine_args)
     except TypeError as e:
         raise TokenmillError(f"engine settings: {e}") from e
-    path = resolve_model(model) if model is not None else default_model_path()
+    path = model_path(model)
     ckpt = open_checkpoint(path)
     tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else
                                ckpt if isinstance(ckpt, GGUFCheckpoint) else path)

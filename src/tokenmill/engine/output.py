@@ -49,7 +49,6 @@ class OutputProcessor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = ParentRequest.fan_out(request_id, prompt_token_ids, params, priority,
                                         share_prompt=self.engine.kv.enable_prefix_caching)
-        request.submit_first(self.engine)
         parent = _Parent(request, RequestOutput(request_id, prompt, list(prompt_token_ids)), {})
         for i, (child_id, _) in enumerate(request.children):
             completion = CompletionOutput(index=i, text="", token_ids=[],
@@ -61,6 +60,8 @@ class OutputProcessor:
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
                 StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
             )
+        request.submit_first(self.engine)   # last: nothing reaches the engine unless the samples exist
+        for child_id in parent.samples:
             self._child_parent[child_id] = request_id
         self._parents[request_id] = parent
 

@@ -17,7 +17,6 @@ from tokenmill.sampling import SamplingParams
 
 @dataclass
 class ParentRequest:
-    request_id: str
     prompt_token_ids: list[int]
     priority: int
     children: list[tuple[str, SamplingParams]]   # (child request id, its params); sample i at index i
@@ -30,7 +29,7 @@ class ParentRequest:
         children = [(f"{request_id}#{i}", dataclasses.replace(params, n=1, seed=None if params.seed is None
                                                                 else params.seed + i))
                     for i in range(params.n)]
-        return cls(request_id, list(prompt_token_ids), priority, children, children[1 if share_prompt else params.n:])
+        return cls(list(prompt_token_ids), priority, children, children[1 if share_prompt else params.n:])
 
     def submit_first(self, engine: LLMEngine) -> None:
         """Submit the children that need not wait (all of them, or child 0): all or none."""

@@ -101,10 +101,17 @@ class ServerState:
             if self._on_load_error is not None:
                 self._on_load_error(e)
 
+    def status(self) -> str:
+        """ok | loading | failed (the model did not load) | shutting down (draining included)."""
+        if self.engine is not None:
+            return "ok" if self.engine.is_running else "shutting down"
+        return "shutting down" if self.stopping else "failed" if self.load_error else "loading"
+
     def ready_engine(self) -> AsyncEngine:
-        if self.engine is None or not self.engine.is_running:
-            state = "loading the model" if self.engine is None and not self.stopping else "shutting down"
-            raise ErrorBody(503, f"the server is {state}; retry later", type_="server_error", code="unavailable",
+        status = self.status()
+        if status != "ok":
+            what = {"loading": "loading the model", "failed": "without a model (it failed to load)"}.get(status, status)
+            raise ErrorBody(503, f"the server is {what}; retry later", type_="server_error", code="unavailable",
                             headers={"Retry-After": "1"})
         return self.engine
 
@@ -262,10 +269,8 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' probes
     async def health() -> JSONResponse:
-        if state.engine is not None and state.engine.is_running:
-            return JSONResponse({"status": "ok"})
-        status = "shutting down" if state.stopping else "failed" if state.load_error else "loading"
-        return JSONResponse({"status": status}, status_code=503)
+        status = state.status()
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -318,6 +318,9 @@ class AsyncEngine:
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
             stream = add.stream
+            if add.accepted.done():   # its handler was cancelled while it waited: nobody will read it
+                self._num_seqs -= stream.num_seqs
+                continue
             try:
                 self._processor.add_request(stream.request_id, add.prompt, add.prompt_token_ids, add.params)
             except Exception as e:

@@ -93,12 +93,14 @@ def engine_error(e: TokenmillError, renames: dict[str, str]) -> ErrorBody:
 
 
 def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats)."""
+    """(include_usage, continuous usage): as vLLM, the usage on every chunk needs both
+    include_usage and continuous_usage_stats."""
     if req.stream_options is None:
         return False, False
     if not req.stream:
         raise ErrorBody(400, "stream_options: only allowed when stream is true", param="stream_options")
-    return bool(req.stream_options.include_usage), bool(req.stream_options.continuous_usage_stats)
+    include_usage = bool(req.stream_options.include_usage)
+    return include_usage, include_usage and bool(req.stream_options.continuous_usage_stats)
 
 
 def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepared:

@@ -88,6 +88,12 @@ class Tokenizer:
         """Whether `decode(..., skip_special_tokens=True)` leaves this token out (control tokens)."""
         return token_id in self._special_ids
 
+    def set_chat_template(self, template: str, source: str) -> None:
+        """Use `template` instead of the model's; compiled now, so a syntax error names `source` at
+        load instead of at the first chat."""
+        self._compiled = (template, compile_chat_template(template, source))
+        self.chat_template = template
+
     def apply_chat_template(
         self,
         messages: list[dict],

@@ -24,7 +24,6 @@ from tokenmill.tokenizer import (
     Tokenizer,
     chat_messages,
     check_chat_template_kwargs,
-    compile_chat_template,
     load_tokenizer,
     read_chat_template,
 )
@@ -89,8 +88,7 @@ def load_engine(model: str | None = None, **engine_args: Any) -> tuple[LLMEngine
     tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else
                                ckpt if isinstance(ckpt, GGUFCheckpoint) else path)
     if config.chat_template is not None:
-        tokenizer.chat_template = read_chat_template(config.chat_template)
-        compile_chat_template(tokenizer.chat_template, "chat_template")   # a syntax error now, not at the first chat
+        tokenizer.set_chat_template(read_chat_template(config.chat_template), "chat_template")
     generation_config = ckpt.generation_config if isinstance(ckpt, HFCheckpoint) else {}
     eos = set(tokenizer.eos_token_ids)
     gen_eos = generation_config.get("eos_token_id")

@@ -16,10 +16,9 @@ import shutil
 import httpx
 import openai
 import pytest
-from test_server import Server, check_error
+from test_server import Server, check_error, running
 
 from tokenmill import LLM, SamplingParams, TokenmillError, load_tokenizer
-from tokenmill.bench.serve import stop_process
 from tokenmill.server.protocol import (
     NO_OP_VALUES,
     ChatCompletionRequest,
@@ -53,11 +52,8 @@ def folder(tiny_hf_model, tmp_path_factory):
 def server(folder, tmp_path_factory):
     s = Server([str(folder), "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
                 "--served-model-name", MODEL], tmp_path_factory.mktemp("compat-log") / "server.log")
-    try:
-        s.wait_ready(None)
+    with running(s, None):
         yield s
-    finally:
-        stop_process(s.proc)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ settings (a queue of one, an --api-key flag) or kill the server (SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,6 +76,16 @@ class Server:
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tokenmill_\S+) (\S+)$", text, re.M)}
 
 
+@contextlib.contextmanager
+def running(s: Server, key: str | None) -> Iterator[Server]:
+    """`s` once it is ready (`key`: its API key, if any), stopped however the block ends."""
+    try:
+        s.wait_ready(key)
+        yield s
+    finally:
+        stop_process(s.proc)
+
+
 def auth(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -86,11 +98,8 @@ def server(default_gguf_path, tmp_path_factory) -> Server:
     s = Server([str(default_gguf_path), "--dtype", "float32", "--device", "cpu",
                 "--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
                 "--max-queued-requests", "2"], log, {"TOKENMILL_API_KEY": KEY})
-    try:
-        s.wait_ready(KEY)
+    with running(s, KEY):
         yield s
-    finally:
-        stop_process(s.proc)
 
 
 @pytest.fixture(scope="module")

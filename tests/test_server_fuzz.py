@@ -61,10 +61,9 @@ import hypothesis
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_server import Server, wait_for
+from test_server import Server, running, wait_for
 from tiny_models import TOKENIZER_VOCAB_SIZE
 
-from tokenmill.bench.serve import stop_process
 from tokenmill.server.protocol import (
     NO_OP_VALUES,
     ChatCompletionRequest,
@@ -528,11 +527,8 @@ def fuzz_server(tiny_gguf_model, tmp_path_factory) -> Server:
     # must fail there, as a MemoryError this test reports, not take the whole machine to the OOM killer.
     if hasattr(resource, "prlimit"):
         resource.prlimit(s.proc.pid, resource.RLIMIT_AS, (SERVER_MEMORY_LIMIT, SERVER_MEMORY_LIMIT))
-    try:
-        s.wait_ready(None)
+    with running(s, None):
         yield s
-    finally:
-        stop_process(s.proc)
 
 
 @pytest.mark.slow

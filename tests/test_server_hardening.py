@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
-from test_server import Server, check_error, wait_for
+from test_server import Server, check_error, running, wait_for
 
 from tokenmill.bench.serve import free_port, stop_process
 from tokenmill.cli import main
@@ -73,11 +73,8 @@ def inproc(tiny_gguf_model):
 def timeout_server(tiny_gguf_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("hardening") / "timeouts.log"
     s = Server([str(tiny_gguf_model("llama")), *CPU_FLAGS, "--request-read-timeout", str(READ_TIMEOUT_S)], log)
-    try:
-        s.wait_ready(None)
+    with running(s, None):
         yield s
-    finally:
-        stop_process(s.proc)
 
 
 # ---- raw HTTP ------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -203,7 +204,19 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cac
         results[use_stack] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
                               for o in outputs]
         assert isinstance(model._plan, kernels.StackPlan) == use_stack
+        if use_stack:
+            assert len(model._plan.layers) == len(model.layers)
     assert results[True] == results[False]
+
+
+def test_plan_structs_match_the_header():
+    """The ctypes mirrors of kernels.h's plan structs have the C sizes (a field missing, added or of
+    another width on either side shows here rather than as a misread pointer)."""
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C compiler")
+    for which, struct in enumerate(kernels.PLAN_STRUCTS):
+        assert lib.plan_struct_size(which) == ctypes.sizeof(struct), struct.__name__
 
 
 def test_bf16_kv_cache_on_a_float32_model(tiny_hf_model):

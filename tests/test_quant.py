@@ -26,9 +26,9 @@ from tokenmill.bench.quality import TEXT_PATH, Scorer, compare_scorers, run_qual
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.layers import quant
 from tokenmill.layers.gguf_quant import EIGHT_BIT_TYPES, FOUR_BIT_TYPES, gguf_to_blocks
 from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.layers.op import set_backend
 from tokenmill.layers.quant import BlockQuant, QuantWeight, kernel_available, quantize
 from tokenmill.models.llama import unpermute_rope_rows
 from tokenmill.models.loader import build_weight, weight_forms
@@ -264,14 +264,14 @@ def greedy(llm: LLM, n: int = 24, logprobs: int | None = None) -> list:
     return outputs if logprobs else [o.token_ids for o in outputs]
 
 
-@pytest.fixture
-def exact_kernels(monkeypatch):
+def exact(llm: LLM) -> LLM:
     """Float activations times the dequantized packed weights: a quantized model then computes exactly
     its quantized weights, so whole-model plumbing (packing, fused shards, Q/K permutation, tied
     heads, biases, embedding rows) is checked without activation rounding. The tiny random models are
     chaotic enough that the int8 rounding alone flips greedy tokens within a few steps (the kernel and
     its error are checked per layer above, and on the real model below)."""
-    monkeypatch.setattr(quant, "EXACT_ACTIVATIONS", True)
+    set_backend(llm.engine.model, "torch", (Linear, Embedding))
+    return llm
 
 
 @pytest.mark.parametrize(("kind", "ftype", "forms"), [
@@ -281,10 +281,10 @@ def exact_kernels(monkeypatch):
     ("gpt2", "Q4_0", {"int4": 9, "dense": 1}),  # fused c_attn; position embeddings stay F32
     ("llama256", "Q4_K", {"int4": 10}),
 ])
-def test_tiny_gguf_quantized_greedy_equals_dequantized(kind, ftype, forms, tiny_gguf_model, exact_kernels):
+def test_tiny_gguf_quantized_greedy_equals_dequantized(kind, ftype, forms, tiny_gguf_model):
     path = str(tiny_gguf_model(kind, ftype))
     # float32 and the reference's cache for both, to isolate the weights
-    quantized = LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="float32")
+    quantized = exact(LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="float32"))
     assert weight_forms(quantized.engine.model) == forms
     reference = LLM(path, dtype="float32", quantization="none", num_kv_blocks=64)
     assert weight_forms(reference.engine.model) == {"dense": sum(forms.values())}
@@ -304,11 +304,11 @@ def test_tiny_gguf_quantized_greedy_equals_dequantized(kind, ftype, forms, tiny_
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_tiny_hf_quantized_at_load_computes_its_quantized_weights(mode, tiny_hf_model, exact_kernels):
+def test_tiny_hf_quantized_at_load_computes_its_quantized_weights(mode, tiny_hf_model):
     """Dense checkpoints quantized at load: every projection and the tied LM head quantized; the model
     equals the dense model whose weights are replaced by their quantized values."""
     path = str(tiny_hf_model("smollm"))
-    quantized = LLM(path, dtype="float32", quantization=mode, num_kv_blocks=64, kv_cache_dtype="float32")
+    quantized = exact(LLM(path, dtype="float32", quantization=mode, num_kv_blocks=64, kv_cache_dtype="float32"))
     assert weight_forms(quantized.engine.model) == {mode: 9}
     reference = LLM(path, dtype="float32", num_kv_blocks=64)
     with torch.no_grad():

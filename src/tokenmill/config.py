@@ -7,24 +7,112 @@ metadata) and never changes afterwards. Field names follow Hugging Face's where 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
 from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
 
+ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+    """RoPE frequency scaling beyond plain RoPE (which is `None`), in Hugging Face's terms
+    (`rope_parameters` / `rope_scaling` keys of the same names). What each `rope_type` reads:
 
+      linear    factor: every frequency divided by it
+      dynamic   factor, original_max_position_embeddings: NTK-scaled base once the context passes
+                the original length (the rule for a cache that cannot be re-rotated: layers/rotary.py)
+      yarn      factor, original_max_position_embeddings, beta_fast, beta_slow, truncate (the band
+                blended between interpolation and extrapolation), mscale / mscale_all_dim or
+                attention_factor (the cos/sin multiplier)
+      longrope  short_factor / long_factor (per-frequency divisors; empty until a GGUF file's
+                rope_factors_* tensors are given to the RotaryEmbedding), original_max_position_embeddings,
+                factor and attention_factor (the cos/sin multiplier)
+      llama3    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+
+    Values are checked here; the parsers (`rope_scaling_from_hf` / `_gguf`) resolve the defaults."""
+
+    rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        kind = self.rope_type
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(f"rope_type {kind!r} is not supported (default, {', '.join(ROPE_TYPES)})")
+
+        def bad(key: str, rule: str) -> CheckpointError:
+            return CheckpointError(f"rope scaling ({kind}): {key} must be {rule}, got {getattr(self, key)!r}")
+
+        def positive(key: str) -> bool:
+            value = getattr(self, key)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            return number and math.isfinite(value) and value > 0
+
+        if not positive("factor"):
+            raise bad("factor", "a positive number")
+        if kind != "linear":
+            original = self.original_max_position_embeddings
+            if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+                raise bad("original_max_position_embeddings", "a positive integer")
+        if kind == "llama3":
+            for key in ("low_freq_factor", "high_freq_factor"):
+                if not positive(key):
+                    raise bad(key, "a positive number")
+            if self.high_freq_factor <= self.low_freq_factor:  # the blend divides by their difference
+                raise bad("high_freq_factor", f"greater than low_freq_factor ({self.low_freq_factor})")
+        if kind == "yarn":
+            for key in ("beta_fast", "beta_slow"):
+                if not positive(key):
+                    raise bad(key, "a positive number")
+            for key in ("mscale", "mscale_all_dim"):
+                if getattr(self, key) is not None and not math.isfinite(getattr(self, key)):
+                    raise bad(key, "a finite number")
+            if not isinstance(self.truncate, bool):
+                raise bad("truncate", "true or false")
+        if self.attention_factor is not None and (kind not in ("yarn", "longrope") or not positive("attention_factor")):
+            raise bad("attention_factor", "a positive number, and only for yarn or longrope")
+        if kind == "longrope":
+            if len(self.short_factor) != len(self.long_factor):
+                raise bad("long_factor", f"as long as short_factor ({len(self.short_factor)} values)")
+            for key in ("short_factor", "long_factor"):
+                if not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in getattr(self, key)):
+                    raise bad(key, "a list of positive numbers")
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (transformers' `attention_scaling`): it scales every
+        attention logit by its square. 1 but for yarn and longrope, which derive it from `factor`
+        unless `attention_factor` gives it."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.rope_type == "yarn":
+            if self.mscale and self.mscale_all_dim:
+                return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+            return _yarn_mscale(self.factor, 1.0)
+        if self.rope_type == "longrope" and self.factor > 1.0:
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        return 1.0
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -46,7 +134,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    hidden_act: str = "silu"                     # the gated MLP's activation: silu or gelu_tanh
+    attn_scale: float | None = None              # softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None      # scores -> c tanh(scores / c) (Gemma 2)
+    final_logit_softcap: float | None = None     # the same on the LM head's logits
+    sliding_window: int | None = None            # the window of the layers that slide
+    layer_types: tuple[str, ...] | None = None   # per layer "full" or "sliding"; None: all slide if a window is set
+    rope_local_theta: float | None = None        # rope base of the sliding layers, if it differs (Gemma 3)
+    embed_scale: float | None = None             # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False                 # RMSNorms on the attention and MLP outputs too (Gemma 2/3)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def layer_slides(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -54,6 +156,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise TokenmillError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers
+                                             or set(self.layer_types) - {"full", "sliding"}):
+            raise TokenmillError(f"model config: layer_types must give 'full' or 'sliding' for each of the "
+                                 f"{self.num_layers} layers, got {self.layer_types!r}")
         if self.num_heads % self.num_kv_heads:
             raise TokenmillError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
@@ -98,21 +204,134 @@ class ConfigFields:
 
 
 def rope_scaling_from_hf(cfg: ConfigFields) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from an HF config, old (`rope_scaling`) or new (`rope_parameters`) style."""
+    """(rope_theta, scaling) from an HF config, old (`rope_scaling`) or new (`rope_parameters`) style,
+    with transformers' defaults: the length before scaling (`original_max_position_embeddings`) is the
+    config's top-level key where there is one (Phi-3 keeps it there; transformers prefers it too), else
+    the rope parameters', else max_position_embeddings; dynamic NTK always scales from
+    max_position_embeddings; a longrope `factor` defaults to max_position_embeddings / that length."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    params = ConfigFields(cfg.get(key) or {}, f"{cfg.source} ({key})")
+    values = cfg.get(key) or {}
+    if not isinstance(values, Mapping):
+        raise CheckpointError(f"{cfg.source}: {key!r} must be an object, got {values!r:.60}")
+    params = ConfigFields(values, f"{cfg.source} ({key})")
+    if any(isinstance(v, Mapping) for v in values.values()):
+        raise UnsupportedModelError(f"{params.source}: rope parameters per layer type are not supported")
     theta = params.float("rope_theta", cfg.float("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rotary_fraction = params.float("partial_rotary_factor", cfg.float("partial_rotary_factor", 1.0))
+    if rotary_fraction != 1.0:
+        raise UnsupportedModelError(f"{cfg.source}: partial_rotary_factor {rotary_fraction} is not supported (1.0)")
+    type_key = "rope_type" if "rope_type" in values else "type"
+    rope_type = values.get(type_key, "default")
+    rope_type = "longrope" if rope_type == "su" else rope_type  # the name of early Phi-3 configs
     if rope_type in (None, "default"):
         return theta, None
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"{params.source}: {type_key} {rope_type!r} is not supported "
+                                    f"(default, {', '.join(ROPE_TYPES)})")
+
+    def original_length() -> int:
+        length = cfg.int("original_max_position_embeddings", None)
+        if length is None:
+            length = params.int("original_max_position_embeddings", None)
+        return cfg.int("max_position_embeddings") if length is None else length
+
+    kwargs: dict[str, Any] = {}
+    if rope_type == "dynamic":
+        kwargs["original_max_position_embeddings"] = cfg.int("max_position_embeddings")
+    elif rope_type != "linear":
+        kwargs["original_max_position_embeddings"] = original_length()
+    if rope_type == "longrope":
+        original = kwargs["original_max_position_embeddings"]
+        kwargs["factor"] = params.float("factor", None) or cfg.int("max_position_embeddings") / original
+        kwargs["short_factor"] = _float_list(params, "short_factor")
+        kwargs["long_factor"] = _float_list(params, "long_factor")
+        kwargs["attention_factor"] = params.float("attention_factor", None)
+    else:
+        kwargs["factor"] = params.float("factor")
     if rope_type == "llama3":
-        return theta, RopeScaling(
-            factor=params.float("factor"),
-            low_freq_factor=params.float("low_freq_factor"),
-            high_freq_factor=params.float("high_freq_factor"),
-            original_max_position_embeddings=params.int("original_max_position_embeddings"),
-        )
-    raise UnsupportedModelError(f"{cfg.source}: rope type {rope_type!r} is not supported (default, llama3)")
+        kwargs["low_freq_factor"] = params.float("low_freq_factor")
+        kwargs["high_freq_factor"] = params.float("high_freq_factor")
+    if rope_type == "yarn":
+        # a zero or null beta means the default in transformers (`or 32`, `or 1`)
+        kwargs["beta_fast"] = params.float("beta_fast", None) or 32.0
+        kwargs["beta_slow"] = params.float("beta_slow", None) or 1.0
+        kwargs["mscale"] = params.float("mscale", None)
+        kwargs["mscale_all_dim"] = params.float("mscale_all_dim", None)
+        kwargs["attention_factor"] = params.float("attention_factor", None)
+        kwargs["truncate"] = params.get("truncate", True)
+    return theta, _rope_scaling(params.source, rope_type, kwargs)
+
+
+def _float_list(params: ConfigFields, key: str) -> tuple[float, ...]:
+    values = params.get(key)
+    if values is None:
+        raise CheckpointError(f"{params.source}: required key {key!r} is missing")
+    if not isinstance(values, list) or not values or \
+            not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise CheckpointError(f"{params.source}: {key!r} must be a non-empty list of numbers, got {values!r:.60}")
+    return tuple(float(v) for v in values)
+
+
+def _rope_scaling(source: str, rope_type: str, kwargs: dict[str, Any]) -> RopeScaling:
+    try:
+        return RopeScaling(rope_type=rope_type, **kwargs)
+    except CheckpointError as e:
+        raise type(e)(f"{source}: {e}") from None
+
+
+def rope_scaling_from_gguf(cfg: ConfigFields) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from GGUF metadata (`cfg` carries the `{arch}.` prefix), read as llama.cpp
+    reads it: `rope.scaling.type` none | linear | yarn | longrope, where a missing type with a
+    `rope.scaling.factor` (or the older `rope.scale_linear`) is linear and a missing or zero factor
+    scales nothing; the yarn length before scaling defaults to `context_length`.
+
+    Yarn's attention factor is transformers': from `rope.scaling.yarn_attn_factor` (the HF
+    `attention_factor` llama.cpp's converter writes), else from the factor, with llama.cpp's reading
+    of `rope.scaling.yarn_log_multiplier` as mscale_all_dim (mscale 1); `rope.scaling.attn_factor`
+    multiplies it, as in llama.cpp. Longrope (Phi-3) comes with empty factor lists: its factors are the
+    `rope_factors_long` / `rope_factors_short` tensors, for `RotaryEmbedding.set_longrope_factors`; its
+    attention factor is `rope.scaling.attn_factor`, else transformers' default."""
+    theta = cfg.float("rope.freq_base", 10000.0)
+    type_key = "rope.scaling.type"
+    scaling_type = cfg.get(type_key)
+    factor = cfg.float("rope.scaling.factor", None)
+    if factor is None:
+        factor = cfg.float("rope.scale_linear", None)
+    factor = factor or None  # llama.cpp reads 0 as "no factor"
+    attn_factor = cfg.float("rope.scaling.attn_factor", None)
+    if cfg.get("rope.scaling.alpha") is not None:  # HunYuan's NTK alpha
+        raise UnsupportedModelError(f"{cfg.source}: {cfg.prefix}rope.scaling.alpha is not supported")
+    if scaling_type is None:
+        scaling_type = "linear" if factor else "none"
+    if scaling_type not in ("none", "linear", "yarn", "longrope"):
+        raise UnsupportedModelError(f"{cfg.source}: {cfg.prefix + type_key!r} {scaling_type!r} is not supported "
+                                    "(none, linear, yarn, longrope)")
+    if scaling_type in ("none", "linear") and attn_factor not in (None, 1.0):
+        raise UnsupportedModelError(f"{cfg.source}: {cfg.prefix}rope.scaling.attn_factor {attn_factor} is "
+                                    f"supported with yarn or longrope scaling only")
+    if scaling_type == "none" or (scaling_type == "linear" and factor is None):
+        return theta, None
+    if scaling_type == "linear":
+        return theta, _rope_scaling(cfg.source, "linear", {"factor": factor})
+    original = cfg.int("rope.scaling.original_context_length", None) or cfg.int("context_length")
+    if scaling_type == "longrope":
+        return theta, _rope_scaling(cfg.source, "longrope", {
+            "factor": factor or cfg.int("context_length") / original,
+            "original_max_position_embeddings": original, "attention_factor": attn_factor})
+    ext_factor = cfg.float("rope.scaling.yarn_ext_factor", 1.0)
+    if ext_factor != 1.0:
+        raise UnsupportedModelError(f"{cfg.source}: {cfg.prefix}rope.scaling.yarn_ext_factor {ext_factor} is not "
+                                    "supported (1.0)")
+    log_multiplier = cfg.float("rope.scaling.yarn_log_multiplier", 0.0)
+    scaling = _rope_scaling(cfg.source, "yarn", {
+        "factor": factor or 1.0, "original_max_position_embeddings": original,
+        "beta_fast": cfg.float("rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": cfg.float("rope.scaling.yarn_beta_slow", 1.0),
+        "mscale": 1.0 if log_multiplier else None, "mscale_all_dim": log_multiplier or None,
+        "attention_factor": cfg.float("rope.scaling.yarn_attn_factor", None)})
+    if attn_factor is not None:
+        scaling = replace(scaling, attention_factor=scaling.attention_scaling * attn_factor)
+    return theta, scaling
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

@@ -3,8 +3,8 @@
 - paged_attention.c: single-query (decode) attention straight from the paged KV cache.
 - quant_matmul.c: x W^T for weights in 4/8-bit groups of 32 with int8 activations (VNNI), and
   row dequantization of the same layout (layers/quant.py packs the weights).
-- kernels.c: includes both (one library) and adds decode_stack, a Llama decoder stack's decode
-  step as one call.
+- kernels.c: includes both (one library) and adds decode_stack, a decoder stack's decode step as
+  one call, run from per-layer plan structs declared in kernels.h (mirrored here with ctypes).
 
 The C sources ship with the package; they are compiled once per machine with the system's C compiler
 (`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
@@ -23,7 +23,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -114,9 +113,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = i32
-    lib.decode_stack.argtypes = [i64, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, ptr, ptr, ptr, i64, ptr, i64, f32, i32,
-                                                                    i32]
+    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
     lib.decode_stack.restype = i32
+    lib.plan_struct_size.argtypes = [i32]
+    lib.plan_struct_size.restype = i64
 
 
 def load() -> ctypes.CDLL | None:
@@ -232,45 +232,55 @@ def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------- decode stack
+# ctypes mirrors of kernels.h's plan structs (same fields, same order; test_kernels checks the sizes).
 
 
-@dataclass
+class QuantWeightPlan(ctypes.Structure):
+    _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64)]
+
+
+class AttentionPlan(ctypes.Structure):
+    _fields_ = [("qkv", QuantWeightPlan), ("o", QuantWeightPlan), ("qkv_bias", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_bf16", ctypes.c_int64),
+                ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("block_size", ctypes.c_int64)]
+
+
+class MLPPlan(ctypes.Structure):
+    _fields_ = [("gate_up", QuantWeightPlan), ("down", QuantWeightPlan), ("norm", ctypes.c_void_p),
+                ("norm_eps", ctypes.c_float)]
+
+
+class LayerPlan(ctypes.Structure):
+    _fields_ = [("attn", AttentionPlan), ("mlp", MLPPlan)]
+
+
+PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan)  # plan_struct_size's numbering
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    """A tensor's data address for a plan field (None: NULL). The plan's owner keeps the tensor alive."""
+    return None if t is None else t.data_ptr()
+
+
 class StackPlan:
-    """What decode_stack needs of a Llama model besides the step's inputs: per layer the 17 pointers
-    of kernels.c's enum (packed weights, scales, offsets of qkv / o / gate_up / down, the two RMSNorm
-    weights, the K and V caches, the q/k/v bias or None) and the four projections' bits. Holds the
-    tensors it points into."""
+    """The layers' plans as one C array for decode_stack; holds the tensors they point into."""
 
-    tensors: list[torch.Tensor | None]
-    bits: list[int]
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
-    block_size: int
-    kv_bf16: bool
-
-    def __post_init__(self) -> None:
-        self._ptrs = (ctypes.c_void_p * len(self.tensors))(*(None if t is None else t.data_ptr()
-                                                             for t in self.tensors))
-        self._bits = (ctypes.c_int * len(self.bits))(*self.bits)
-        self.layers = len(self.bits) // 4
+    def __init__(self, layers: list[LayerPlan], tensors: list[torch.Tensor]):
+        self.layers = (LayerPlan * len(layers))(*layers)
+        self.tensors = tensors
 
 
 def decode_stack(plan: StackPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """A decode step through every layer of `plan`: x [B, hidden] fp32 (a new tensor is returned),
     cos/sin [B, head_dim] (full-width rotary tables at each row's position), slots [B]."""
-    lib = load()
     x = x.float().contiguous().clone()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    if lib.decode_stack(plan.layers, plan._ptrs, plan._bits, x.data_ptr(), x.shape[0], plan.hidden,
-                        plan.intermediate, plan.heads, plan.kv_heads, plan.head_dim, plan.eps, cos.data_ptr(),
-                        sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                        seq_lens.data_ptr(), plan.block_size, plan.scale, int(plan.kv_bf16),
-                        torch.get_num_threads()):
+    if load().decode_stack(plan.layers, len(plan.layers), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+                           slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+                           torch.get_num_threads()):
         raise MemoryError("decode stack: out of memory")
     return x

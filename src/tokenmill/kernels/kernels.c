@@ -1,49 +1,62 @@
 /* tokenmill's C kernels, built as one library: decode attention (paged_attention.c), the quantized
- * matmul (quant_matmul.c), and decode_stack below, which runs a whole Llama decoder stack for one
- * decode step by calling them in sequence. */
+ * matmul (quant_matmul.c), and decode_stack below, which runs a decoder stack for one decode step
+ * by calling them in sequence, layer by layer, from the plans declared in kernels.h. */
 #include "paged_attention.c"
 #include "quant_matmul.c"
+#include "kernels.h"
 
-/* Per layer, `ptrs` holds these pointers (the packed weights, scales and offsets of the four
- * projections, the two RMSNorm weights, the layer's K and V caches, the q/k/v bias or NULL) and
- * `bits` the projections' bits. */
-enum { QKV_W, QKV_D, QKV_M, O_W, O_D, O_M, GU_W, GU_D, GU_M, DN_W, DN_D, DN_M, IN_NORM, POST_NORM,
-       K_CACHE, V_CACHE, QKV_BIAS, PTRS_PER_LAYER };
+int64_t plan_struct_size(int which) {
+    switch (which) {
+        case 0: return (int64_t)sizeof(tm_quant_weight);
+        case 1: return (int64_t)sizeof(tm_attention_plan);
+        case 2: return (int64_t)sizeof(tm_mlp_plan);
+        case 3: return (int64_t)sizeof(tm_layer_plan);
+        default: return -1;
+    }
+}
+
+static int matmul(const tm_quant_weight *w, const float *x, int64_t batch, int gated, const float *norm, float eps,
+                  const float *residual, float *y, int num_threads) {
+    return quant_matmul(x, batch, w->in_features, w->packed, w->scales, w->offsets, w->out_features, (int)w->bits,
+                        gated, norm, eps, residual, y, 0, num_threads);
+}
 
 /* x [batch, hidden] fp32, updated in place: for each layer,
- *   x = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)))))       (K/V written to the cache)
+ *   x = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)) + bias)))   (K/V written to the cache)
  *   x = x + down_proj(silu(gate) * up), [gate | up] = gate_up_proj(rmsnorm(x))
- * the same kernel calls, in the same order, as the per-layer Python path (models/llama.py), so the
- * same bits. Returns 1 if out of memory. */
-int decode_stack(int64_t layers, void *const *ptrs, const int *bits, float *x, int64_t batch, int64_t hidden,
-                 int64_t inter, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, const float *cos,
-                 const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
-                 const int64_t *seq_lens, int64_t block_size, float scale, int kv_bf16, int num_threads) {
-    const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, attn_n = heads * head_dim;
-    float *qkv = malloc(sizeof(float) * (size_t)(batch * qkv_n));
-    float *attn = malloc(sizeof(float) * (size_t)(batch * attn_n));
-    float *gate_up = malloc(sizeof(float) * (size_t)(batch * 2 * inter));
+ * the same kernel calls, in the same order, as the blocks' PyTorch path (layers/), so the same
+ * bits. Layers may differ in shape: the scratch buffers are sized for the widest. */
+int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
+                 const float *sin, const int64_t *slots, const int64_t *block_tables,
+                 int64_t max_blocks, const int64_t *seq_lens, int num_threads) {
+    int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const tm_attention_plan *a = &layers[l].attn;
+        qkv_max = a->qkv.out_features > qkv_max ? a->qkv.out_features : qkv_max;
+        attn_max = a->heads * a->head_dim > attn_max ? a->heads * a->head_dim : attn_max;
+        gate_up_max = layers[l].mlp.gate_up.out_features > gate_up_max ? layers[l].mlp.gate_up.out_features
+                                                                       : gate_up_max;
+    }
+    float *qkv = malloc(sizeof(float) * (size_t)(batch * qkv_max));
+    float *attn = malloc(sizeof(float) * (size_t)(batch * attn_max));
+    float *gate_up = malloc(sizeof(float) * (size_t)(batch * gate_up_max));
     int failed = qkv == NULL || attn == NULL || gate_up == NULL;
-    for (int64_t l = 0; l < layers && !failed; l++) {
-        void *const *p = ptrs + l * PTRS_PER_LAYER;
-        const int *b = bits + 4 * l;
-        failed = quant_matmul(x, batch, hidden, p[QKV_W], p[QKV_D], p[QKV_M], qkv_n, b[0], 0, p[IN_NORM], eps,
-                              NULL, qkv, 0, num_threads);
-        if (!failed && p[QKV_BIAS] != NULL) {  /* added after the matmul, as the layer loop adds it */
-            const float *bias = p[QKV_BIAS];
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
+        const tm_attention_plan *a = &layers[l].attn;
+        const tm_mlp_plan *m = &layers[l].mlp;
+        const int64_t qkv_n = a->qkv.out_features;
+        failed = matmul(&a->qkv, x, batch, 0, a->norm, a->norm_eps, NULL, qkv, num_threads);
+        if (!failed && a->qkv_bias != NULL) {  /* added after the matmul, as the layer loop adds it */
             for (int64_t i = 0; i < batch; i++)
-                for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += bias[j];
+                for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += a->qkv_bias[j];
         }
         failed = failed
-              || (kv_bf16 ? paged_decode_rotary_bf16 : paged_decode_rotary_f32)(
-                     qkv, cos, sin, slots, p[K_CACHE], p[V_CACHE], block_tables, max_blocks, seq_lens, attn,
-                     batch, heads, kv_heads, head_dim, block_size, scale, num_threads, 0)
-              || quant_matmul(attn, batch, attn_n, p[O_W], p[O_D], p[O_M], hidden, b[1], 0, NULL, 0.0f, x, x, 0,
-                              num_threads)
-              || quant_matmul(x, batch, hidden, p[GU_W], p[GU_D], p[GU_M], 2 * inter, b[2], 0, p[POST_NORM], eps,
-                              NULL, gate_up, 0, num_threads)
-              || quant_matmul(gate_up, batch, inter, p[DN_W], p[DN_D], p[DN_M], hidden, b[3], 1, NULL, 0.0f, x, x,
-                              0, num_threads);
+              || (a->kv_bf16 ? paged_decode_rotary_bf16 : paged_decode_rotary_f32)(
+                     qkv, cos, sin, slots, a->k_cache, a->v_cache, block_tables, max_blocks, seq_lens, attn, batch,
+                     a->heads, a->kv_heads, a->head_dim, a->block_size, a->scale, num_threads, 0)
+              || matmul(&a->o, attn, batch, 0, NULL, 0.0f, x, x, num_threads)
+              || matmul(&m->gate_up, x, batch, 0, m->norm, m->norm_eps, NULL, gate_up, num_threads)
+              || matmul(&m->down, gate_up, batch, 1, NULL, 0.0f, x, x, num_threads);
     }
     free(qkv); free(attn); free(gate_up);
     return failed;

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.layers.op import KernelOp, set_backend
 
 
 @dataclass
@@ -51,22 +52,34 @@ class AttentionMetadata:
                 torch.tensor([starts[b] for b in single], dtype=torch.int64, device=device), multi)
 
 
-class Attention(nn.Module):
+class Attention(KernelOp):
     """Writes K/V into this layer's cache slots, then attends.
 
-    Backends: "torch" is the plain PyTorch reference (the oracle every faster path is tested
-    against); "auto" runs single-query rows with the C kernel (tokenmill/kernels) on CPU when it
-    builds, which reads each request's blocks in place instead of gathering and padding them.
-    Prefill chunks use SDPA in both."""
+    Options: `sliding_window` w (a query at position p sees keys p - w < k <= p; blocks wholly
+    before the window are not read) and `logit_softcap` c (scores -> c tanh(scores / c), Gemma 2).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    Backends: "torch" is the plain PyTorch reference (the oracle every faster path is tested
+    against); "auto" runs the C kernels (tokenmill/kernels) on a CPU cache where they build and
+    implement the layer's options (`uses_kernels`): single-query rows read each request's blocks in
+    place instead of gathering and padding them, prefill chunks take the C prefill kernel (AVX-512
+    builds). Everything else runs SDPA or, with a softcap, plain matmuls."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None  # bound once by the runner, see bind_kv_caches
-        self.backend = "auto"
+
+    def uses_kernels(self) -> bool:
+        """The one place the kernel choice is made: backend auto, a cache the C kernels read, and no
+        option they lack (they implement neither a window nor a softcap)."""
+        return (self.backend == "auto" and self.kv_cache is not None and kernels.supports_paged_decode(self.kv_cache)
+                and self.sliding_window is None and self.logit_softcap is None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
@@ -90,8 +103,7 @@ class Attention(nn.Module):
 
     def fuses_rotary_decode(self, meta: AttentionMetadata) -> bool:
         """Can this step run as one `decode_rotary` call (decode-only step, C kernel backend)?"""
-        return (meta.is_decode_only and self.backend == "auto" and self.kv_cache is not None
-                and self.head_dim <= kernels.MAX_ROTARY_HEAD_DIM and kernels.supports_paged_decode(self.kv_cache))
+        return meta.is_decode_only and self.head_dim <= kernels.MAX_ROTARY_HEAD_DIM and self.uses_kernels()
 
     def decode_rotary(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       meta: AttentionMetadata) -> torch.Tensor:
@@ -106,7 +118,7 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
         """One query per request -> [B, heads, head_dim]."""
-        if self.backend == "auto" and kernels.supports_paged_decode(k_cache):
+        if self.uses_kernels():
             out = kernels.paged_decode(q.view(q.shape[0], self.num_heads, self.head_dim), k_cache, v_cache,
                                        block_tables, seq_lens, self.scale)
             return out.to(q.dtype)
@@ -114,16 +126,26 @@ class Attention(nn.Module):
 
     def _decode_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor) -> torch.Tensor:
-        """The reference: grouped-query matmuls over each request's gathered (padded) blocks."""
+        """The reference: grouped-query matmuls over each request's gathered (padded) blocks; with a
+        window, only the blocks that hold its keys."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
+        block_size = k_cache.shape[1]
+        first = torch.zeros_like(seq_lens)  # each request's first gathered block
+        if self.sliding_window is not None:
+            first = (seq_lens - self.sliding_window).clamp(min=0) // block_size
+            span = min(block_tables.shape[1], self.sliding_window // block_size + 2)
+            index = (first[:, None] + torch.arange(span, device=q.device)).clamp(max=block_tables.shape[1] - 1)
+            block_tables = block_tables.gather(1, index)
         keys = k_cache[block_tables].flatten(1, 2).float()    # [B, L, kv_heads, head_dim]
         values = v_cache[block_tables].flatten(1, 2).float()
         qg = q.float().view(batch, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale   # [B, kv_heads, group, L]
-        length = keys.shape[1]
-        pad = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        scores = self._softcap(torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale)  # [B, kv_heads, group, L]
+        position = first[:, None] * block_size + torch.arange(keys.shape[1], device=q.device)[None, :]
+        hidden = position >= seq_lens[:, None]
+        if self.sliding_window is not None:
+            hidden |= position <= (seq_lens - 1 - self.sliding_window)[:, None]
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values.permute(0, 2, 1, 3))              # [B, kv_heads, group, hd]
         return out.to(q.dtype).view(batch, self.num_heads, self.head_dim)
@@ -133,40 +155,55 @@ class Attention(nn.Module):
         """Requests with several query rows (prefill chunks), each into `out`: the C prefill kernel
         (backend auto, CPU cache, AVX-512 build), else one causal SDPA call each."""
         starts = meta.query_start_loc
-        kernel = self.backend == "auto" and kernels.supports_paged_decode(k_cache)
+        kernel = self.uses_kernels()
         for b in requests:
             seq_len = meta.seq_lens[b]
             q_start, q_end = starts[b], starts[b + 1]
             num_q = q_end - q_start
             num_blocks = -(-seq_len // meta.block_size)
-            blocks = meta.block_tables[b, :num_blocks]
             if kernel:   # the C kernel (AVX-512 builds); None: it does not apply here, SDPA below
-                o = kernels.paged_prefill(q[q_start:q_end], k_cache, v_cache, blocks, seq_len, self.scale)
+                o = kernels.paged_prefill(q[q_start:q_end], k_cache, v_cache, meta.block_tables[b, :num_blocks],
+                                          seq_len, self.scale)
                 if o is not None:
                     out[q_start:q_end] = o.to(out.dtype)
                     continue
-            keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)     # [kv_heads, L, hd]
-            values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-            query = q[q_start:q_end].transpose(0, 1)                            # [heads, n, hd]
-            if num_q == seq_len:
-                mask = None
-                causal = True
-            else:  # queries are the last num_q positions of the context
-                rows = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-                causal = False
-            o = F.scaled_dot_product_attention(
-                query.unsqueeze(0), keys.unsqueeze(0).to(q.dtype), values.unsqueeze(0).to(q.dtype),
-                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
-            )
-            out[q_start:q_end] = o[0].transpose(0, 1)
+            # keys from the first block the window of the first query reaches
+            first = 0 if self.sliding_window is None else max(0, seq_len - num_q - self.sliding_window + 1)
+            first_block = first // meta.block_size
+            blocks = meta.block_tables[b, first_block:num_blocks]
+            offset = first_block * meta.block_size
+            keys = k_cache[blocks].flatten(0, 1)[:seq_len - offset].transpose(0, 1)    # [kv_heads, L, hd]
+            values = v_cache[blocks].flatten(0, 1)[:seq_len - offset].transpose(0, 1)
+            query = q[q_start:q_end].transpose(0, 1)                                     # [heads, n, hd]
+            rows = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]   # query positions
+            cols = torch.arange(offset, seq_len, device=q.device)[None, :]            # key positions
+            mask = cols <= rows
+            if self.sliding_window is not None:
+                mask &= cols > rows - self.sliding_window
+            if self.logit_softcap is None:
+                o = F.scaled_dot_product_attention(
+                    query.unsqueeze(0), keys.unsqueeze(0).to(q.dtype), values.unsqueeze(0).to(q.dtype),
+                    attn_mask=mask, scale=self.scale, enable_gqa=True)[0]
+            else:  # SDPA has no softcap: the same steps in plain matmuls, float32
+                group = self.num_heads // self.num_kv_heads
+                k = keys.float().repeat_interleave(group, 0)
+                scores = self._softcap(torch.matmul(query.float(), k.transpose(1, 2)) * self.scale)
+                probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+                o = torch.matmul(probs, values.float().repeat_interleave(group, 0)).to(q.dtype)
+            out[q_start:q_end] = o.transpose(0, 1)
+
+    def _softcap(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.logit_softcap is None:
+            return scores
+        return torch.tanh(scores / self.logit_softcap) * self.logit_softcap
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], backend: str = "auto") -> None:
-    """Give each Attention layer (in module order) its cache tensor and the attention backend."""
+    """Give each Attention layer (in module order) its cache tensor and the attention backend
+    ("auto" or "torch")."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV cache tensors")
     for layer, cache in zip(layers, kv_caches, strict=True):
         layer.kv_cache = cache
-        layer.backend = backend
+    set_backend(model, backend, Attention)

@@ -11,15 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers import quant
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.op import KernelOp
 from tokenmill.layers.quant import QuantWeight
 
 
-class _Weighted(nn.Module):
+class _Weighted(KernelOp):
     """A layer holding a [N, K] weight, dense (`weight`) or quantized (`qweight`), that can also
-    serve as an LM head."""
+    serve as an LM head. A quantized weight runs the quantized kernel (int8 activations); backend
+    "torch" multiplies float activations by its dequantized values instead, which checks a whole
+    model's plumbing (packing, fused shards, tied heads) without the activation rounding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,11 +33,18 @@ class _Weighted(nn.Module):
         self.weight = None
         self.qweight = qweight
 
+    def kernel_weight(self) -> QuantWeight | None:
+        """The quantized weight the kernels run, for a C plan; None where this layer runs dense or its
+        PyTorch reference (backend "torch")."""
+        return self.qweight if self.backend == "auto" else None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 hidden @ W^T for an LM head (no bias): an Embedding's for a tied head."""
-        if self.qweight is not None:
-            return self.qweight.matmul(hidden)
-        return F.linear(hidden, self.weight).float()
+        if self.qweight is None:
+            return F.linear(hidden, self.weight).float()
+        if self.backend == "torch":
+            return hidden.float() @ self.qweight.dequantize().t()
+        return self.qweight.matmul(hidden)
 
 
 class Linear(_Weighted):
@@ -55,14 +64,19 @@ class Linear(_Weighted):
         [gate | up] projection: silu(gate) * up), then `norm` (an RMSNorm). A quantized weight fuses
         them into its kernel's activation pass (one call instead of ~10 ops of ~4 us each); otherwise
         they run as the PyTorch layers they stand for."""
-        if self.qweight is not None and not quant.EXACT_ACTIVATIONS:
+        if self.qweight is not None and self.backend == "auto":
             return self.qweight.linear(x, self.bias, gated, None if norm is None else (norm.weight, norm.eps),
                                        residual)
+        return self.forward_native(x, norm, gated, residual)
+
+    def forward_native(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
         if gated:
             x = silu_and_mul(x)
         if norm is not None:
             x = norm(x)
-        y = F.linear(x, self.weight, self.bias) if self.qweight is None else self.qweight.linear(x, self.bias)
+        weight = self.weight if self.qweight is None else self.qweight.dequantize(x.dtype)
+        y = F.linear(x, weight, self.bias)
         return y if residual is None else residual + y
 
 

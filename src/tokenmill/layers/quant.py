@@ -15,10 +15,6 @@ lo): 16-bit precision; plain int8 as in llama.cpp cost SmolLM2 a mean KL of 2.8e
 2-6x faster than a dense fp32 matmul at 1-32 rows and within 0.6-1.1x of it at 512-row prefill
 chunks, from 1/6 of the bytes, so every row of every step takes it. Each row's output depends on
 that row alone, so a request's tokens do not depend on what it is batched with.
-
-`EXACT_ACTIVATIONS` (tests only) multiplies float32 activations by the dequantized weight instead:
-the whole-model plumbing (packing, fused shards, tied heads) is then checked without the
-activation rounding, which flips greedy tokens of chaotic tiny random models within a few steps.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from tokenmill import kernels
 
 GROUP_SIZE = 32
 TILE_ROWS = 16  # output rows per tile of the packed layout (one AVX-512 register of fp32 lanes)
-EXACT_ACTIVATIONS = False
 
 
 def kernel_available() -> bool:
@@ -136,22 +131,21 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """float32 x2 @ W^T."""
-        if EXACT_ACTIVATIONS:
-            return x2.float() @ self.dequantize().t()
         return kernels.quant_matmul(x2, self.packed, self.scales, self.offsets, self.out_features, self.bits)
+
+    def plan(self) -> kernels.QuantWeightPlan:
+        """This weight as kernels.h's tm_quant_weight (the caller keeps self alive)."""
+        return kernels.QuantWeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+                                       self.out_features, self.in_features, self.bits)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + f(x) @ W^T + bias, the input ops f (see `Linear.forward`) fused into the kernel's
         activation pass (float32 inside, the result in x's dtype)."""
         rows = x.reshape(-1, x.shape[-1])
-        if EXACT_ACTIVATIONS:
-            assert not gated and norm is None and residual is None, "EXACT_ACTIVATIONS runs unfused"
-            y = self.matmul(rows).to(x.dtype)
-        else:
-            res = None if residual is None else residual.reshape(-1, self.out_features)
-            y = kernels.quant_matmul(rows, self.packed, self.scales, self.offsets, self.out_features, self.bits,
-                                     gated, norm, res).to(x.dtype)
+        res = None if residual is None else residual.reshape(-1, self.out_features)
+        y = kernels.quant_matmul(rows, self.packed, self.scales, self.offsets, self.out_features, self.bits,
+                                 gated, norm, res).to(x.dtype)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,107 @@
+"""The decoder layer and stack every rotary model is composed of.
+
+A layer: x + attention(norm(x)), then x + mlp(norm(x)) (with `sandwich_norms`, Gemma's extra
+norms on both outputs: x + norm(attention(norm(x)))). A stack: embeddings (optionally scaled),
+the layers, a final norm. A decode step on CPU with quantized weights runs the whole stack in one
+C call (`kernels.decode_stack`) when every layer built a plan (`DecoderLayer.plan`): a block with
+an option the C code lacks returns None, and the stack then runs the layer loop, so such an option
+never passes through the C code unnoticed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill import kernels
+from tokenmill.config import ModelConfig
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.linear import Embedding
+from tokenmill.layers.mlp import GatedMLP
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.self_attention import Rope, RotaryAttention
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, mlp: nn.Module | None = None):
+        super().__init__()
+        slides = cfg.layer_slides(index)
+        self.rope = "local" if slides and cfg.rope_local_theta is not None else "global"
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = RotaryAttention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
+            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, scale=cfg.attn_scale,
+            sliding_window=cfg.sliding_window if slides else None, logit_softcap=cfg.attn_logit_softcap)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
+
+    def forward(self, x: torch.Tensor, ropes: dict[str, Rope], meta: AttentionMetadata) -> torch.Tensor:
+        rope = ropes[self.rope]
+        if self.attn_out_norm is None:
+            x = self.self_attn(x, rope, meta, norm=self.attn_norm, residual=x)
+            return self.mlp(x, norm=self.mlp_norm, residual=x)
+        x = x + self.attn_out_norm(self.self_attn(x, rope, meta, norm=self.attn_norm))
+        return x + self.mlp_out_norm(self.mlp(x, norm=self.mlp_norm))
+
+    def plan(self) -> tuple[kernels.LayerPlan, list[torch.Tensor]] | None:
+        """kernels.h's tm_layer_plan for this layer, or None if one of its blocks has none."""
+        if self.attn_out_norm is not None or self.rope != "global" or not hasattr(self.mlp, "plan"):
+            return None
+        attn, mlp = self.self_attn.plan(self.attn_norm), self.mlp.plan(self.mlp_norm)
+        if attn is None or mlp is None:
+            return None
+        return kernels.LayerPlan(attn=attn[0], mlp=mlp[0]), attn[1] + mlp[1]
+
+
+class DecoderModel(nn.Module):
+    """`embed_tokens`, `layers`, `norm`: the Hugging Face names of a decoder-only model's stack."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer] | None = None):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers if layers is not None else
+                                    [DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.embed_scale = cfg.embed_scale
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
+        self.use_decode_stack = True  # False: always the layer loop (the reference the tests compare with)
+        self._plan: kernels.StackPlan | bool | None = None  # None: not built yet; False: does not apply
+        self._plan_cache: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # in the model's dtype, as the reference rounds it
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = {"global": self.rotary(positions)}
+        if self.rotary_local is not None:
+            ropes["local"] = self.rotary_local(positions)
+        plan = self.stack_plan(x, meta)
+        if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below
+            cos, sin = (t.reshape(x.shape[0], -1) for t in ropes["global"])
+            x = kernels.decode_stack(plan, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor)
+        else:
+            for layer in self.layers:
+                x = layer(x, ropes, meta)
+        return self.norm(x)
+
+    def stack_plan(self, x: torch.Tensor, meta: AttentionMetadata) -> kernels.StackPlan | None:
+        """The plan for kernels.decode_stack, where it applies: a decode-only float32 step on the
+        C attention kernels whose every layer built a plan. Per layer the Python loop costs ~40 op
+        dispatches; the stack, none."""
+        first = self.layers[0].self_attn.attn
+        if not (self.use_decode_stack and x.dtype == torch.float32 and first.fuses_rotary_decode(meta)):
+            return None
+        if self._plan is None or self._plan_cache is not first.kv_cache:
+            self._plan, self._plan_cache = self._build_plan(), first.kv_cache
+        return self._plan or None
+
+    def _build_plan(self) -> kernels.StackPlan | bool:
+        plans = [layer.plan() for layer in self.layers]
+        if any(p is None for p in plans):
+            return False
+        return kernels.StackPlan([p[0] for p in plans], [t for p in plans for t in p[1]])

@@ -1,0 +1,45 @@
+"""The gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill import kernels
+from tokenmill.layers.activation import GATED_ACTIVATIONS
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import RMSNorm
+
+
+class GatedMLP(nn.Module):
+    """`gate_up_proj` holds the gate and up projections as two shards (checkpoint names gate_proj
+    and up_proj); `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
+        super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {sorted(GATED_ACTIVATIONS)}")
+        self.activation = activation
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + mlp(norm(x)); the norm, SwiGLU and residual add run inside the projections
+        (fused by quantized weights)."""
+        gate_up = self.gate_up_proj(x, norm=norm)
+        if self.activation == "silu":
+            return self.down_proj(gate_up, gated=True, residual=residual)
+        return self.down_proj(GATED_ACTIVATIONS[self.activation](gate_up), residual=residual)
+
+    def plan(self, norm: RMSNorm) -> tuple[kernels.MLPPlan, list[torch.Tensor]] | None:
+        """This block as kernels.h's tm_mlp_plan with `norm` as its input norm (and the tensors it
+        points into), or None where the C stack does not implement it: dense projections, biases,
+        an activation other than SiLU."""
+        gate_up, down = self.gate_up_proj.kernel_weight(), self.down_proj.kernel_weight()
+        if (gate_up is None or down is None or self.activation != "silu" or self.gate_up_proj.bias is not None
+                or self.down_proj.bias is not None):
+            return None
+        norm_weight = norm.weight.float().contiguous()
+        return kernels.MLPPlan(gate_up=gate_up.plan(), down=down.plan(), norm=norm_weight.data_ptr(),
+                               norm_eps=norm.eps), [norm_weight]

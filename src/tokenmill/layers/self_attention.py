@@ -1,0 +1,63 @@
+"""Rotary self-attention: fused q/k/v projection (optional bias), optional q/k RMSNorms, rotary
+embedding, paged attention (optional sliding window and logit softcap), output projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill import kernels
+from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class RotaryAttention(nn.Module):
+    """`qkv_proj` holds q, k and v as three shards (checkpoint names q_proj, k_proj, v_proj)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = False,
+                 qk_norm_eps: float | None = None, scale: float | None = None, sliding_window: int | None = None,
+                 logit_softcap: float | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = Linear(hidden_size, [q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = Linear(q_size, hidden_size)
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5 if scale is None else scale,
+                              sliding_window, logit_softcap)
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + attention(norm(x)); the norm and the residual add run inside the projections."""
+        qkv = self.qkv_proj(x, norm=norm)
+        if self.q_norm is None and self.attn.fuses_rotary_decode(meta):
+            return self.o_proj(self.attn.decode_rotary(qkv, rope, meta), residual=residual)
+        qkv = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads rotated in one call
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.o_proj(self.attn(q, k, v, meta), residual=residual)
+
+    def plan(self, norm: RMSNorm) -> tuple[kernels.AttentionPlan, list[torch.Tensor]] | None:
+        """This block as kernels.h's tm_attention_plan with `norm` as its input norm (and the tensors
+        it points into), or None where the C stack does not implement it: dense projections, a bias
+        on o_proj, q/k norms, options the attention kernels lack."""
+        qkv, o, cache = self.qkv_proj.kernel_weight(), self.o_proj.kernel_weight(), self.attn.kv_cache
+        if (qkv is None or o is None or self.o_proj.bias is not None or self.q_norm is not None
+                or not self.attn.uses_kernels() or self.head_dim > kernels.MAX_ROTARY_HEAD_DIM):
+            return None
+        norm_weight = norm.weight.float().contiguous()
+        tensors = [norm_weight] + ([] if self.qkv_proj.bias is None else [self.qkv_proj.bias])
+        return kernels.AttentionPlan(
+            qkv=qkv.plan(), o=o.plan(), qkv_bias=kernels.pointer(self.qkv_proj.bias),
+            norm=norm_weight.data_ptr(), norm_eps=norm.eps, scale=self.attn.scale, k_cache=cache[0].data_ptr(),
+            v_cache=cache[1].data_ptr(), kv_bf16=int(cache.dtype == torch.bfloat16), heads=self.num_heads,
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache.shape[2]), tensors

@@ -1,0 +1,102 @@
+"""What every rotary decoder model file shares: the LM head, logits, and the walk over a checkpoint's
+tensors that renames them onto the module tree of layers/decoder.py.
+
+A model file subclasses DecoderForCausalLM and gives:
+  - `config_from_hf(fields)` / `config_from_gguf(ckpt, fields)` -> ModelConfig
+  - `GGUF_NAMES`: llama.cpp tensor names -> Hugging Face names (gguf_names.gguf_name_table)
+  - `HF_RENAMES`: (regex, replacement) pairs from Hugging Face names onto this package's module
+    names (layers/decoder.py names a layer's norms by role: attn_norm, mlp_norm, attn_out_norm,
+    mlp_out_norm, because the families name them differently)
+  - optionally `build(cfg)` (the stack, when its layers are not the default ones) and
+    `convert(name, tensor, ckpt)` (a family's layout changes, e.g. llama.cpp's Q/K permutation).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
+from tokenmill.config import ConfigFields, ModelConfig
+from tokenmill.errors import CheckpointError
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.decoder import DecoderModel
+from tokenmill.layers.linear import Linear
+from tokenmill.models.gguf_names import NameTable, map_gguf_name
+
+Tensor = torch.Tensor | GGUFBlocks
+
+# The Llama naming of a layer's two norms, which most families share.
+LLAMA_NORMS = [(r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".mlp_norm.")]
+
+
+def gguf_tensor_names(ckpt: GGUFCheckpoint) -> set[str]:
+    """The file's tensor names, after checking it holds weights at all."""
+    names = set(ckpt.tensor_names())
+    if "token_embd.weight" not in names:
+        raise CheckpointError(f"{ckpt.path}: no token_embd.weight tensor (is this a vocab-only file?)")
+    return names
+
+
+def sliding_window(cfg: ConfigFields, key: str) -> int | None:
+    """An optional window size: absent, null or 0 mean none."""
+    return cfg.int(key, None) or None
+
+
+def split_rows(tensor: Tensor, sizes: list[int]) -> list[Tensor]:
+    """A fused checkpoint matrix (e.g. Phi-3's qkv_proj) cut into its shards along the rows; quantized
+    GGUF blocks stay blocks (whole rows)."""
+    if isinstance(tensor, GGUFBlocks):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [tensor.take_rows(torch.arange(start, start + size)) for start, size in zip(starts, sizes, strict=True)]
+    return list(tensor.split(sizes))
+
+
+class DecoderForCausalLM(nn.Module):
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    GGUF_NAMES: NameTable = []
+    HF_RENAMES: list[tuple[str, str]] = LLAMA_NORMS
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = self.build(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # Rotary buffers and, for tied models, a redundant saved LM head carry nothing to load.
+        self.ignored_tensors = [r".*rotary_emb\.inv_freq"] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
+        self._renames = [(re.compile(p), r) for p, r in self.HF_RENAMES]
+
+    @classmethod
+    def build(cls, cfg: ModelConfig) -> DecoderModel:
+        return DecoderModel(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Packed batch in, final hidden states out ([T, hidden])."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def convert(self, name: str, tensor: Tensor, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:
+        """A family's layout changes, on Hugging Face names: (name, tensor) pairs to load."""
+        yield name, tensor
+
+    def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:
+        """(module name, tensor) pairs; GGUF quantized matrices come as their blocks (the loader decides
+        whether to dequantize them). Names no table knows pass through, for the loader to report."""
+        for name in ckpt.tensor_names():
+            if isinstance(ckpt, HFCheckpoint):
+                tensor: Tensor = ckpt.load_tensor(name, torch.float32)
+            else:
+                tensor = ckpt.load_raw(name, torch.float32)
+                name = map_gguf_name(name, self.GGUF_NAMES) or name
+            for hf_name, converted in self.convert(name, tensor, ckpt):
+                for pattern, replacement in self._renames:
+                    hf_name = pattern.sub(replacement, hf_name)
+                yield hf_name, converted

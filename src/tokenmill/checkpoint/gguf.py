@@ -7,7 +7,8 @@ package stays the authority for GGML type ids, block sizes and dequantization, a
 tests/test_gguf_checkpoint.py holds this parser to GGUFReader on every key and tensor.
 `load_tensor` reads and dequantizes a single tensor, so loading a model never holds two full
 copies of the weights. `load_raw` returns a quantized tensor's blocks as they are stored
-(`GGUFBlocks`), for layers that run them without dequantizing. Shapes are returned in torch order
+(`GGUFBlocks`), for layers that run them without dequantizing; `load_stacked` does so for each
+matrix of a 3-D tensor (llama.cpp's stacked MoE experts). Shapes are returned in torch order
 (GGUF stores dimensions innermost-first, i.e. reversed).
 """
 
@@ -232,23 +233,43 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} is cut short")
         return out
 
-    def load_raw(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | GGUFBlocks:
-        """One tensor: a float type as a torch tensor of `dtype`; a quantized 2-D one as its blocks
-        (read from the file), other quantized ones dequantized."""
+    def _info(self, name: str) -> TensorInfo:
         if name not in self._tensors:
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
         t = self._tensors[name]
-        qtype, shape = t.qtype, t.shape
-        if qtype in FLOAT_TYPES:
-            raw = torch.from_numpy(self._read(t)).view(FLOAT_TYPES[qtype])
-            return raw.reshape(shape).to(dtype)
-        if qtype not in SUPPORTED_QUANT_TYPES:
+        if t.qtype not in FLOAT_TYPES and t.qtype not in SUPPORTED_QUANT_TYPES:
             raise UnsupportedModelError(
-                f"{self.path}: tensor {name!r} has GGML type {qtype}, which tokenmill does not support "
+                f"{self.path}: tensor {name!r} has GGML type {t.qtype}, which tokenmill does not support "
                 f"(supported: {', '.join(sorted([*FLOAT_TYPES, *SUPPORTED_QUANT_TYPES]))})"
             )
+        return t
+
+    def _float(self, t: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(self._read(t)).view(FLOAT_TYPES[t.qtype]).reshape(t.shape).to(dtype)
+
+    def load_raw(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | GGUFBlocks:
+        """One tensor: a float type as a torch tensor of `dtype`; a quantized 2-D one as its blocks
+        (read from the file), other quantized ones dequantized."""
+        t = self._info(name)
+        qtype, shape = t.qtype, t.shape
+        if qtype in FLOAT_TYPES:
+            return self._float(t, dtype)
         rows = int(np.prod(shape[:-1]))
         blocks = GGUFBlocks(qtype, (rows, shape[-1]), torch.from_numpy(self._read(t).reshape(rows, -1)))
         if len(shape) == 2:
             return blocks
         return blocks.dequantize(dtype).reshape(shape)
+
+    def load_stacked(self, name: str, dtype: torch.dtype = torch.float32) -> list[torch.Tensor | GGUFBlocks]:
+        """A 3-D tensor [n, rows, columns] as its n 2-D matrices, each as `load_raw` returns a 2-D
+        tensor: quantized ones as their blocks, float ones in `dtype`. llama.cpp stacks the experts
+        of a mixture-of-experts layer this way (`ffn_gate_exps`, ...); a row's blocks never span two
+        matrices, so each matrix's blocks are a slice of the stored bytes and experts stay quantized."""
+        t = self._info(name)
+        if len(t.shape) != 3:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {t.shape}, not [n, rows, columns]")
+        n, rows, cols = t.shape
+        if t.qtype in FLOAT_TYPES:
+            return list(self._float(t, dtype).unbind(0))
+        data = torch.from_numpy(self._read(t).reshape(n, rows, -1))
+        return [GGUFBlocks(t.qtype, (rows, cols), data[i]) for i in range(n)]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import greedy, make_engine, prefill_logits
+from tiny_models import KINDS, MOE_KINDS
 from transformers import AutoModelForCausalLM
 
-KINDS = ["llama", "llama3", "smollm", "mistral", "qwen2", "qwen3", "gpt2"]
 NUM_NEW = 40
 
 
@@ -76,9 +76,12 @@ def test_gguf_q8_0_close_to_f32(kind, tiny_gguf_model):
     exact, quant = prefill_logits(f32, ids), prefill_logits(q8, ids)
     err = (quant - exact).abs()
     # Measured: 2-4% mean relative error on these deliberately sharp random models; a wrong block
-    # layout or permutation gives errors of the order of the logits themselves.
-    assert err.mean() < 0.08 * exact.abs().mean()
-    assert (quant.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.8
+    # layout or permutation gives errors of the order of the logits themselves. In a mixture of
+    # experts the weight rounding also flips some expert choices, which changes a row's logits
+    # wholesale: ~9% on mixtral (4 experts), with the dequantized weights as much as quantized.
+    moe = kind in MOE_KINDS
+    assert err.mean() < (0.15 if moe else 0.08) * exact.abs().mean()
+    assert (quant.argmax(-1) == exact.argmax(-1)).float().mean() >= (0.7 if moe else 0.8)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

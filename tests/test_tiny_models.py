@@ -6,6 +6,11 @@ from GGUF metadata alone it rebuilds llama, smollm, mistral and qwen2 exactly. F
 ignores `rope_freqs`, for qwen3 it does not read `attention.key_length` (head_dim) and for gpt2 it
 maps `context_length` to `n_ctx` rather than `n_positions`, so for those three it gets the HF
 config and checks the tensors only.
+
+These checks cover the first families (BASE_KINDS). The later ones (Gemma 2/3, Phi-3, the MoE
+kinds) are held to transformers through our own loader in test_model_parity.py, from safetensors
+and from their GGUF files; transformers 5's GGUF loader rebuilds none of them faithfully (it drops
+softcaps, windows or experts), so it cannot serve as the independent check there.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 from tiny_models import (
+    BASE_KINDS,
     BOS_TOKEN_ID,
     CHAT_TEMPLATE,
     EOS_TOKEN_ID,
-    KINDS,
     PAD_TOKEN_ID,
     SPECIAL_TOKENS,
     TOKENIZER_VOCAB_SIZE,
@@ -108,7 +113,7 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BASE_KINDS)
 def test_hf_model_reloads_with_identical_logits(kind, tiny_hf_model):
     folder = tiny_hf_model(kind)
     arch, tied, config_entries, required = FEATURES[kind]
@@ -131,7 +136,7 @@ def test_hf_model_reloads_with_identical_logits(kind, tiny_hf_model):
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BASE_KINDS)
 def test_greedy_output_is_not_degenerate(kind, tiny_hf_model):
     model = _load_hf(tiny_hf_model(kind))
     prompt = _prompt_ids()[:, :9]
@@ -212,7 +217,7 @@ def _gguf_arrays(path: Path) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizatio
 
 
 @pytest.mark.parametrize("ftype", ["F32", "F16", "Q8_0"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BASE_KINDS)
 def test_gguf_tensors_reproduce_hf(kind, ftype, tiny_hf_model, tiny_gguf_model):
     folder = tiny_hf_model(kind)
     config = _config(folder)
@@ -254,7 +259,7 @@ def test_gguf_tensors_reproduce_hf(kind, ftype, tiny_hf_model, tiny_gguf_model):
             assert err.max() > 0, f"{name} is not actually quantized"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BASE_KINDS)
 def test_gguf_metadata(kind, tiny_hf_model, tiny_gguf_model):
     folder = tiny_hf_model(kind)
     config = _config(folder)
@@ -365,7 +370,7 @@ def test_llama3_rope_freqs_match_transformers(tiny_hf_model, tiny_gguf_model):
     assert ((rope_freqs > 1) & (rope_freqs < 8)).any()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BASE_KINDS)
 def test_transformers_gguf_loader_reproduces_hf_logits(kind, tiny_hf_model, tiny_gguf_model):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,10 @@ import gguf
 import numpy as np
 import torch
 
-KINDS = ("llama", "llama3", "smollm", "mistral", "qwen2", "qwen3", "gpt2")
+# the first families; the builder's own tests (test_tiny_models.py) cover these
+BASE_KINDS = ("llama", "llama3", "smollm", "mistral", "qwen2", "qwen3", "gpt2")
+KINDS = BASE_KINDS + ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 FTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -142,6 +146,44 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("GPT2Config", dict(
         n_embd=64, n_layer=2, n_head=4, n_positions=256, n_ctx=256, layer_norm_epsilon=1e-5,
     )),
+    # Gemma 2: GeGLU, sandwich norms, layer 0 slides (window 8), layer 1 global, attention and final
+    # logit softcaps small enough to bind on these weights; query_pre_attn_scalar = head_dim, which is
+    # what llama.cpp assumes (it does not store the scalar)
+    "gemma2": ("Gemma2Config", dict(
+        _COMMON_LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+    )),
+    # Gemma 3: q/k norms, five sliding layers (window 8, rope base 10000) then a global one whose rope
+    # has linear scaling
+    "gemma3": ("Gemma3TextConfig", dict(
+        _COMMON_LLAMA, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )),
+    # Phi-3: fused qkv and gate_up, longrope (short factors: the context is the original one), window 16
+    "phi3": ("Phi3Config", dict(
+        _COMMON_LLAMA, original_max_position_embeddings=256, sliding_window=16, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                         "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 16.0, 16.0]},
+    )),
+    # Mixtral: 4 experts, 2 per token (GGUF arch "llama" with experts, Q/K permuted)
+    "mixtral": ("MixtralConfig", dict(
+        _COMMON_LLAMA, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )),
+    # Qwen2-MoE: q/k/v biases, 4 experts (top 2, not renormalized) and a shared expert
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        _COMMON_LLAMA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )),
+    # Qwen3-MoE: q/k norms, 8 experts, top 2 renormalized
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        _COMMON_LLAMA, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )),
     # Not in KINDS (only for quantized-kernel tests): rows of 256 values, so K-quant file types
     # (Q4_K) apply to every matrix instead of falling back to F16; untied LM head
     "llama256": ("LlamaConfig", dict(
@@ -151,6 +193,9 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 _PADDED_VOCAB_KINDS = {"qwen2": 64}  # kind -> round vocab_size up to a multiple of this
 # the final norm's weight, drawn larger than other norm weights to sharpen the logits
 _FINAL_NORM_WEIGHTS = ("model.norm.weight", "transformer.ln_f.weight")
+# Gemma stores RMSNorm weights as w - 1: drawn around 0 there, so the norm still scales by ~1
+_NORM_OFFSET_KINDS = ("gemma2", "gemma3")
+_GEMMA_OUTPUT_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 @functools.cache
@@ -195,16 +240,17 @@ def model_vocab_size(kind: str) -> int:
     return -(-TOKENIZER_VOCAB_SIZE // multiple) * multiple
 
 
-def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    """The random-weight transformers model of `kind` (float32, eval mode), not saved."""
+def build_hf_model(kind: str, seed: int = 0, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The random-weight transformers model of `kind` (float32, eval mode), not saved. `overrides`
+    replaces config entries (the benchmarks' larger shapes; vocab_size past the tokenizer's is padded)."""
     import transformers
 
     if kind not in _CONFIGS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     config_class, kwargs = _CONFIGS[kind]
+    kwargs = {"vocab_size": model_vocab_size(kind), **kwargs, **(overrides or {})}
     config = getattr(transformers, config_class)(
-        vocab_size=model_vocab_size(kind), bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-        pad_token_id=PAD_TOKEN_ID, **kwargs,
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, **kwargs,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -212,22 +258,29 @@ def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied parameters are listed once
             if param.ndim >= 2:
-                param.normal_(0.0, 0.2, generator=generator)
+                # Gemma scales its embeddings by sqrt(hidden): drawn smaller, so that the residual
+                # stream is not mostly the input token, which the tied head would echo greedily
+                std = 0.05 if kind in _NORM_OFFSET_KINDS and name.endswith("embed_tokens.weight") else 0.2
+                param.normal_(0.0, std, generator=generator)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1, generator=generator)
-            elif name in _FINAL_NORM_WEIGHTS:  # logits std ~ 2.5 * 0.2 * sqrt(hidden)
+            elif name in _FINAL_NORM_WEIGHTS or (kind in _NORM_OFFSET_KINDS and name.endswith(_GEMMA_OUTPUT_NORMS)):
+                # logits std ~ 2.5 * 0.2 * sqrt(hidden); Gemma's output norms: the layers outweigh the
+                # scaled embedding, which the tied head would otherwise echo greedily
                 param.uniform_(2.0, 3.0, generator=generator)
             else:  # norm weights: around 1 but not 1, so a missing weight multiply is caught
                 param.uniform_(0.8, 1.2, generator=generator)
+            if kind in _NORM_OFFSET_KINDS and param.ndim == 1 and "norm" in name:
+                param.sub_(1.0)
     return model.eval()
 
 
-def make_hf_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
+def make_hf_model(kind: str, out_dir: Path, seed: int = 0, overrides: dict[str, Any] | None = None) -> Path:
     """Write a tiny random HF checkpoint folder of `kind` into `out_dir` and return it."""
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
-    model = build_hf_model(kind, seed)
+    model = build_hf_model(kind, seed, overrides)
     model.save_pretrained(out_dir)  # transformers 5 always writes safetensors
     GenerationConfig(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
@@ -246,7 +299,14 @@ _ARCH_BY_HF_CLASS = {
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "GPT2LMHeadModel": gguf.MODEL_ARCH.GPT2,
+    "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
+    "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
 }
+_GEMMA_ARCHS = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 _FILE_TYPES = {
     "F32": (gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
     "F16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
@@ -353,10 +413,39 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: gguf.MODEL_ARCH, config: dict[
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     rope = _rope_parameters(config)
-    if rope.get("rope_type", "default") not in ("default", "llama3"):
-        raise NotImplementedError(f"rope type {rope['rope_type']!r} is not handled by this converter")
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == gguf.MODEL_ARCH.GEMMA3:  # llama.cpp's Gemma3Model: the global layers' rope
+        rope = rope["full_attention"]
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3", "linear", "longrope"):
+        raise NotImplementedError(f"rope type {rope_type!r} is not handled by this converter")
+    if arch != gguf.MODEL_ARCH.GEMMA2:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch in _GEMMA_ARCHS:
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("attn_logit_softcapping") is not None:
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping") is not None:
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == gguf.MODEL_ARCH.PHI3:  # llama.cpp's Phi3MiniModel
+        original = config["original_max_position_embeddings"]
+        writer.add_rope_dimension_count(_head_dim(config))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        factor = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+    if "num_local_experts" in config or "num_experts" in config:
+        writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if config.get("head_dim") is not None:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
@@ -420,12 +509,17 @@ def _gguf_tensors(arch: gguf.MODEL_ARCH, config: dict[str, Any],
     rope = _rope_parameters(config)
     if rope.get("rope_type") == "llama3":  # generate_extra_tensors comes first in llama.cpp
         out.append(("rope_freqs.weight", llama3_rope_factors(rope, _head_dim(config))))
+    if arch == gguf.MODEL_ARCH.PHI3:  # llama.cpp's Phi3MiniModel.generate_extra_tensors
+        out.append(("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)))
+        out.append(("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)))
     n_layers = config["n_layer"] if arch == gguf.MODEL_ARCH.GPT2 else config["num_hidden_layers"]
     name_map = gguf.get_tensor_name_map(arch, n_layers)
-    for hf_name, data in _hf_tensors(hf_dir).items():
+    for hf_name, data in _stack_experts(_hf_tensors(hf_dir)).items():
         if hf_name.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")):
             continue
         data = data.astype(np.float32)
+        if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's Gemma converters store Gemma's 1 + w
         if arch == gguf.MODEL_ARCH.LLAMA:
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 data = permute_qk(data, config["num_attention_heads"])
@@ -441,10 +535,29 @@ def _gguf_tensors(arch: gguf.MODEL_ARCH, config: dict[str, Any],
     return out
 
 
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's per-expert matrices stacked into one [experts, rows, cols] tensor per projection,
+    named `...experts.{projection}.weight` (llama.cpp's converters, which map them to ffn_*_exps)."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, data in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = data
+        else:
+            stacks.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = data
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
 def _tensor_qtype(name: str, data: np.ndarray,
                   file_qtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
     """Which tensors llama.cpp keeps in F32 whatever the file type."""
-    if data.ndim <= 1 or name.endswith("_norm.weight"):
+    if data.ndim <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp" in name:  # routers stay F32
         return gguf.GGMLQuantizationType.F32
     if name.startswith("position_embd.") or not name.endswith(".weight"):
         return gguf.GGMLQuantizationType.F32

@@ -143,6 +143,13 @@ class ModelConfig:
     rope_local_theta: float | None = None        # rope base of the sliding layers, if it differs (Gemma 3)
     embed_scale: float | None = None             # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     sandwich_norms: bool = False                 # RMSNorms on the attention and MLP outputs too (Gemma 2/3)
+    num_experts: int = 0                         # > 0: a mixture-of-experts model (layers/moe.py)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_routing: str = "mixtral"                 # layers/moe.py ROUTINGS
+    norm_topk_prob: bool | None = None           # qwen_moe routing: renormalize the top k
+    shared_expert_intermediate_size: int | None = None
+    dense_layers: tuple[int, ...] = ()           # layers of a MoE model with a dense MLP instead
     extra: dict[str, Any] = field(default_factory=dict)
 
     def layer_slides(self, layer: int) -> bool:

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tokenmill.checkpoint.gguf import GGUFBlocks, GGUFCheckpoint
 from tokenmill.checkpoint.hf import HFCheckpoint
 from tokenmill.errors import CheckpointError
 
-__all__ = ["GGUFBlocks", "GGUFCheckpoint", "HFCheckpoint", "open_checkpoint"]
+__all__ = ["GGUFBlocks", "GGUFCheckpoint", "HFCheckpoint", "open_checkpoint", "split_rows"]
+
+
+def split_rows(tensor: torch.Tensor | GGUFBlocks, sizes: list[int]) -> list[torch.Tensor | GGUFBlocks]:
+    """A fused checkpoint matrix (Phi-3's qkv_proj, an expert's gate_up_proj) cut into its shards
+    along the rows; quantized GGUF blocks stay blocks (whole rows)."""
+    if isinstance(tensor, GGUFBlocks):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [tensor.take_rows(torch.arange(start, start + size)) for start, size in zip(starts, sizes, strict=True)]
+    return list(tensor.split(sizes))
 
 
 def open_checkpoint(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:

@@ -26,6 +26,7 @@ class _Weighted(KernelOp):
     def __init__(self) -> None:
         super().__init__()
         self.weight: nn.Parameter | None = None
+        self.keep_dense = False
         self.qweight: QuantWeight | None = None  # an instance attribute: a class one would hide the submodule
 
     def set_quantized(self, qweight: QuantWeight) -> None:
@@ -49,10 +50,12 @@ class _Weighted(KernelOp):
 
 class Linear(_Weighted):
     """y = x W^T (+ b). `shard_sizes` marks a fused projection (q/k/v or gate/up): the loader fills
-    each shard from its own checkpoint tensor, stacked along the output dimension."""
+    each shard from its own checkpoint tensor, stacked along the output dimension. `keep_dense`: the
+    loader never quantizes this layer (a MoE router, whose rounding would change which experts run)."""
 
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False):
+    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False, keep_dense: bool = False):
         super().__init__()
+        self.keep_dense = keep_dense
         sizes = out_features if isinstance(out_features, list) else [out_features]
         self.shard_sizes = sizes
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tokenmill.checkpoint import GGUFBlocks
+from tokenmill.checkpoint import GGUFBlocks, split_rows
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
@@ -73,14 +73,14 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.routing = routing
         self.renormalize = routing == "mixtral" or bool(norm_topk_prob)
-        self.gate = Linear(hidden_size, num_experts)
+        self.gate = Linear(hidden_size, num_experts, keep_dense=True)
         self.experts = nn.ModuleList(GatedMLP(hidden_size, moe_intermediate_size, activation)
                                      for _ in range(num_experts))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if shared_expert_intermediate_size is not None:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, activation)
-            self.shared_expert_gate = Linear(hidden_size, 1)
+            self.shared_expert_gate = Linear(hidden_size, 1, keep_dense=True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choices for x [T, hidden] (already normalized): (weights [T, k], experts
@@ -159,9 +159,8 @@ def expert_tensors(name: str, tensor: Weight | Sequence[Weight]) -> list[tuple[s
         pairs = []
         for e, w in enumerate(matrices):
             if proj == "gate_up_proj":
-                half = w.shape[0] // 2
-                pairs += [(f"{prefix}experts.{e}.gate_proj.weight", _rows(w, 0, half)),
-                          (f"{prefix}experts.{e}.up_proj.weight", _rows(w, half, w.shape[0]))]
+                gate, up = split_rows(w, [w.shape[0] // 2] * 2)
+                pairs += [(f"{prefix}experts.{e}.gate_proj.weight", gate), (f"{prefix}experts.{e}.up_proj.weight", up)]
             else:
                 pairs.append((f"{prefix}experts.{e}.{proj}.weight", w))
         return pairs
@@ -170,8 +169,3 @@ def expert_tensors(name: str, tensor: Weight | Sequence[Weight]) -> list[tuple[s
         return [(name, tensor[None])]
     return [(name, tensor)]
 
-
-def _rows(w: Weight, start: int, stop: int) -> Weight:
-    if isinstance(w, GGUFBlocks):
-        return w.take_rows(torch.arange(start, stop))
-    return w[start:stop]

@@ -20,6 +20,21 @@ _REGISTRY: dict[str, str] = {
     "llama": "tokenmill.models.llama:LlamaForCausalLM",
     "qwen2": "tokenmill.models.llama:LlamaForCausalLM",
     "qwen3": "tokenmill.models.llama:LlamaForCausalLM",
+    # Phi-3 / Phi-3.5: fused q/k/v and gate/up, longrope.
+    "Phi3ForCausalLM": "tokenmill.models.phi3:Phi3ForCausalLM",
+    "phi3": "tokenmill.models.phi3:Phi3ForCausalLM",
+    # Gemma 2 and 3 (text).
+    "Gemma2ForCausalLM": "tokenmill.models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "tokenmill.models.gemma:GemmaForCausalLM",
+    "gemma2": "tokenmill.models.gemma:GemmaForCausalLM",
+    "gemma3": "tokenmill.models.gemma:GemmaForCausalLM",
+    # Mixtures of experts ("mixtral": a GGUF "llama" with experts, see models/loader.py).
+    "MixtralForCausalLM": "tokenmill.models.mixtral:MoEForCausalLM",
+    "mixtral": "tokenmill.models.mixtral:MoEForCausalLM",
+    "Qwen2MoeForCausalLM": "tokenmill.models.mixtral:MoEForCausalLM",
+    "Qwen3MoeForCausalLM": "tokenmill.models.mixtral:MoEForCausalLM",
+    "qwen2moe": "tokenmill.models.mixtral:MoEForCausalLM",
+    "qwen3moe": "tokenmill.models.mixtral:MoEForCausalLM",
     # GPT-2.
     "GPT2LMHeadModel": "tokenmill.models.gpt2:GPT2LMHeadModel",
     "gpt2": "tokenmill.models.gpt2:GPT2LMHeadModel",

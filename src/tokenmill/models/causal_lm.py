@@ -27,7 +27,7 @@ from tokenmill.layers.decoder import DecoderModel
 from tokenmill.layers.linear import Linear
 from tokenmill.models.gguf_names import NameTable, map_gguf_name
 
-Tensor = torch.Tensor | GGUFBlocks
+Tensor = torch.Tensor | GGUFBlocks | list[torch.Tensor | GGUFBlocks]  # a list: stacked experts
 
 # The Llama naming of a layer's two norms, which most families share.
 LLAMA_NORMS = [(r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".mlp_norm.")]
@@ -44,15 +44,6 @@ def gguf_tensor_names(ckpt: GGUFCheckpoint) -> set[str]:
 def sliding_window(cfg: ConfigFields, key: str) -> int | None:
     """An optional window size: absent, null or 0 mean none."""
     return cfg.int(key, None) or None
-
-
-def split_rows(tensor: Tensor, sizes: list[int]) -> list[Tensor]:
-    """A fused checkpoint matrix (e.g. Phi-3's qkv_proj) cut into its shards along the rows; quantized
-    GGUF blocks stay blocks (whole rows)."""
-    if isinstance(tensor, GGUFBlocks):
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [tensor.take_rows(torch.arange(start, start + size)) for start, size in zip(starts, sizes, strict=True)]
-    return list(tensor.split(sizes))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -93,6 +84,9 @@ class DecoderForCausalLM(nn.Module):
         for name in ckpt.tensor_names():
             if isinstance(ckpt, HFCheckpoint):
                 tensor: Tensor = ckpt.load_tensor(name, torch.float32)
+            elif len(ckpt.tensor_shape(name)) == 3:  # experts stacked by llama.cpp: one matrix each
+                tensor = ckpt.load_stacked(name, torch.float32)
+                name = map_gguf_name(name, self.GGUF_NAMES) or name
             else:
                 tensor = ckpt.load_raw(name, torch.float32)
                 name = map_gguf_name(name, self.GGUF_NAMES) or name

@@ -115,7 +115,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             yield name, tensor
         elif name == "rope_freqs.weight":  # llama3 rope scaling as per-frequency divisors
             self.model.rotary.set_frequency_factors(tensor)
-        elif self.config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+        elif ckpt.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             # llama.cpp permutes Q/K of the "llama" architecture only (qwen2/qwen3 use NeoX rope).
             yield name, unpermute_rope_rows(tensor, self.config.num_heads if ".q_proj." in name
                                             else self.config.num_kv_heads)

@@ -27,6 +27,7 @@ quantized ones stays dense (modes int8/int4 quantize that shard too).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -50,13 +51,22 @@ Shard = torch.Tensor | GGUFBlocks
 
 
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
-               show_progress: bool = False, quantization: str | None = None) -> tuple[nn.Module, ModelConfig]:
+               show_progress: bool = False, quantization: str | None = None,
+               max_model_len: int | None = None) -> tuple[nn.Module, ModelConfig]:
+    """The model and its config. `max_model_len` below the checkpoint's context builds the model for
+    that context: rotary tables of that length, and the rope choices that depend on it (longrope's
+    factor set, dynamic NTK) made for it, as llama.cpp makes them for its context size."""
     quantization = _check_quantization(quantization, device)
-    cls = get_model_class(ckpt.architecture)
+    architecture = ckpt.architecture
+    if isinstance(ckpt, GGUFCheckpoint) and architecture == "llama" and ckpt.metadata.get("llama.expert_count"):
+        architecture = "mixtral"  # llama.cpp converts Mixtral as a llama with experts
+    cls = get_model_class(architecture)
     if isinstance(ckpt, GGUFCheckpoint):
         config = cls.config_from_gguf(ckpt, ConfigFields(ckpt.metadata, str(ckpt.path), f"{ckpt.architecture}."))
     else:
         config = cls.config_from_hf(ConfigFields(ckpt.config, str(ckpt.path / "config.json")))
+    if max_model_len is not None and max_model_len < config.max_position_embeddings:
+        config = dataclasses.replace(config, max_position_embeddings=max_model_len)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -114,7 +124,8 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, Shard]], tota
                     for leaf in ("weight", "bias") if getattr(mod, leaf) is not None}
     # weights that may be quantized: collected until every shard is there, then built at once
     quantizable = {} if quantization == "none" else {
-        f"{name}.weight": mod for name, mod in model.named_modules() if isinstance(mod, (Linear, Embedding))}
+        f"{name}.weight": mod for name, mod in model.named_modules()
+        if isinstance(mod, (Linear, Embedding)) and not mod.keep_dense}
     staged: dict[str, dict[int, Shard]] = {}
     filled: dict[str, set[int]] = {}
     ignored = [re.compile(p) for p in model.ignored_tensors]

@@ -1,0 +1,163 @@
+"""The later families (Gemma 2/3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE) through every path the
+engine has: their logits and greedy tokens equal transformers' in test_model_parity.py; here the
+engine's own equivalences hold for them too (cache, paging, chunked prefill, prefix hits, the
+attention kernels, quantized weights and experts), with small KV blocks so that sliding windows
+(8 and 16 tokens in these models) start and end inside blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import greedy, make_engine, prefill_logits
+from tiny_models import BASE_KINDS, KINDS, MOE_KINDS
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.layers.moe import SparseMoE
+from tokenmill.layers.op import set_backend
+from tokenmill.layers.quant import kernel_available
+from tokenmill.models.loader import weight_forms
+
+NEW_KINDS = KINDS[len(BASE_KINDS):]
+
+
+def _prompts(vocab: int, lengths: tuple[int, ...] = (5, 19, 37), seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_cached_decode_equals_recomputation(kind, tiny_hf_model):
+    """Decoding with the KV cache (windows reaching back over block edges) gives the tokens that
+    recomputing the whole sequence gives."""
+    engine = make_engine(tiny_hf_model(kind), block_size=4)
+    prompt = _prompts(engine.model_config.vocab_size)[1]
+    cached = greedy(engine, [prompt], 24)[0]
+    seq = list(prompt)
+    for _ in range(24):
+        seq.append(int(prefill_logits(engine, seq)[-1].argmax()))
+    assert cached == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_chunks_blocks_and_prefix_hits_give_the_same_tokens(kind, tiny_hf_model):
+    """One whole prefill with 16-token blocks == chunks of 8 tokens with 4-token blocks == a prompt
+    whose first blocks are prefix-cache hits (the window then starts inside cached blocks)."""
+    path = tiny_hf_model(kind)
+    whole = make_engine(path, enable_prefix_caching=False)
+    prompts = _prompts(whole.model_config.vocab_size)
+    expected = greedy(whole, prompts, 16)
+    chunked = make_engine(path, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)
+    assert greedy(chunked, prompts, 16) == expected
+    cached = make_engine(path, block_size=4)
+    greedy(cached, [prompts[2][:29]], 1)   # its first 7 blocks stay cached
+    assert greedy(cached, prompts, 16) == expected
+    assert cached.kv.prefix_hit_rate > 0
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_attention_kernels_equal_the_reference(kind, tiny_hf_model):
+    path = tiny_hf_model(kind)
+    auto, reference = (make_engine(path, block_size=4, attention_backend=b) for b in ("auto", "torch"))
+    prompts = _prompts(auto.model_config.vocab_size)
+    assert greedy(auto, prompts, 16) == greedy(reference, prompts, 16)
+    ids = prompts[2]
+    torch.testing.assert_close(prefill_logits(auto, ids), prefill_logits(reference, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_quantized_gguf_computes_its_quantized_weights(kind, tiny_gguf_model):
+    """A Q8_0 file runs quantized (experts too: one int8 weight per expert, run on its own rows) and,
+    with float activations, computes exactly the model of its dequantized weights."""
+    path = str(tiny_gguf_model(kind, "Q8_0"))
+    quantized = LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="float32")
+    reference = LLM(path, dtype="float32", quantization="none", num_kv_blocks=64)
+    forms = weight_forms(quantized.engine.model)
+    assert set(forms) <= {"int8", "dense"} and forms["int8"] > 0
+    model = quantized.engine.model
+    experts = [e for m in model.modules() if isinstance(m, SparseMoE) for e in m.experts]
+    assert (len(experts) > 0) == (kind in MOE_KINDS)
+    assert all(e.gate_up_proj.qweight is not None and e.down_proj.qweight is not None for e in experts)
+    assert all(m.gate.qweight is None for m in model.modules() if isinstance(m, SparseMoE))  # routers dense
+    set_backend(model, "torch", (Linear, Embedding))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(quantized.engine.model_config.vocab_size)
+    got = [o.outputs[0].token_ids for o in quantized.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
+def test_a_block_without_a_c_plan_keeps_the_stack_off(tiny_gguf_model):
+    """The C decode stack runs only when every layer's blocks built a plan: a MoE MLP has none, so a
+    Mixtral decode step takes the layer loop (and gives its tokens), while the same attention with a
+    dense MLP (llama) takes the stack."""
+    for kind, stacked in (("llama", True), ("mixtral", False)):
+        llm = LLM(str(tiny_gguf_model(kind, "Q8_0")), num_kv_blocks=64)
+        model = llm.engine.model.model
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        prompt = _prompts(llm.engine.model_config.vocab_size)[:1]
+        tokens = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert (model._plan is not False and model._plan is not None) == stacked, kind
+        model.use_decode_stack = False
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
+# Gemma's chat template as published with Gemma 3 (Gemma 2's differs only in not folding a system
+# message into the first user turn, which it refuses instead): "model" turns, <start_of_turn> /
+# <end_of_turn>, a system message prefixed to the first user turn, and strict alternation.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def test_gemma_chat_template_renders_as_transformers_and_refuses_bad_turns(tiny_hf_model):
+    from transformers import AutoTokenizer
+
+    from tokenmill import load_tokenizer
+    from tokenmill.errors import TokenmillError
+
+    path = tiny_hf_model("gemma3")
+    ours = load_tokenizer(path)
+    ours.set_chat_template(GEMMA_CHAT_TEMPLATE, "gemma template")
+    theirs = AutoTokenizer.from_pretrained(path)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi there "},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Weather?"}]
+    expected = theirs.apply_chat_template(conversation, chat_template=GEMMA_CHAT_TEMPLATE, tokenize=False,
+                                          add_generation_prompt=True)
+    assert ours.apply_chat_template(conversation) == expected
+    assert expected.endswith("<start_of_turn>user\nWeather?<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(TokenmillError, match="roles must alternate"):
+        ours.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_longrope_factor_set_follows_the_context_the_model_is_built_for(tmp_path):
+    """A Phi-3 whose context (256) exceeds its original one (64): built for 256 it takes longrope's
+    long factors; built for max_model_len 64 the short ones, which is what transformers uses for a
+    prompt within the original length, so then (and only then) its logits are transformers'."""
+    from tiny_models import make_hf_model
+    from transformers import AutoModelForCausalLM
+
+    path = make_hf_model("phi3", tmp_path / "phi3-long", overrides={"original_max_position_embeddings": 64})
+    ids = _prompts(400)[1]
+    with torch.inference_mode():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    short = prefill_logits(make_engine(path, max_model_len=64), ids)
+    torch.testing.assert_close(short, ref, atol=1e-4, rtol=0)
+    long = prefill_logits(make_engine(path), ids)
+    assert (long - ref).abs().max() > 1e-2

@@ -161,3 +161,30 @@ def test_longrope_factor_set_follows_the_context_the_model_is_built_for(tmp_path
     torch.testing.assert_close(short, ref, atol=1e-4, rtol=0)
     long = prefill_logits(make_engine(path), ids)
     assert (long - ref).abs().max() > 1e-2
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration (text_config, the language model
+    under language_model.model.*, a vision tower): its text generation is the language model's,
+    equal to transformers' on text-only input; the vision tensors are left unused."""
+    import json
+
+    from tiny_models import build_hf_model, make_hf_model
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = build_hf_model("gemma3")
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=text.config, vision_config=vision, mm_tokens_per_image=4, image_token_index=399)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    missing, _ = model.model.language_model.load_state_dict(text.model.state_dict(), strict=False)
+    assert not missing
+    folder = make_hf_model("gemma3", tmp_path / "gemma3-mm")  # the tokenizer files
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    ids = _prompts(399)[2]
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(make_engine(folder), ids), ref, atol=1e-4, rtol=0)

@@ -26,6 +26,7 @@ _REGISTRY: dict[str, str] = {
     # Gemma 2 and 3 (text).
     "Gemma2ForCausalLM": "tokenmill.models.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "tokenmill.models.gemma:GemmaForCausalLM",
+    "Gemma3ForConditionalGeneration": "tokenmill.models.gemma:GemmaForCausalLM",  # its language model
     "gemma2": "tokenmill.models.gemma:GemmaForCausalLM",
     "gemma3": "tokenmill.models.gemma:GemmaForCausalLM",
     # Mixtures of experts ("mixtral": a GGUF "llama" with experts, see models/loader.py).

@@ -48,14 +48,33 @@ def _layer_types(arch: str, num_layers: int) -> tuple[str, ...]:
     return tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
 
 
+# What Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration: the 4B and larger) leave out
+# of their text_config, relying on transformers' Gemma3TextConfig defaults.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
 class GemmaForCausalLM(DecoderForCausalLM):
     GGUF_NAMES = _GGUF_PATTERNS
-    HF_RENAMES = [(r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".attn_out_norm."),
-                  (r"\.pre_feedforward_layernorm\.", ".mlp_norm."),
-                  (r"\.post_feedforward_layernorm\.", ".mlp_out_norm.")]
+    HF_RENAMES = [
+        # a multimodal checkpoint's language model, in the hub's and in transformers 5's naming
+        (r"^(language_model\.model|model\.language_model)\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
+        (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".attn_out_norm."),
+        (r"\.pre_feedforward_layernorm\.", ".mlp_norm."), (r"\.post_feedforward_layernorm\.", ".mlp_out_norm.")]
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        # the vision tower and projector of a multimodal checkpoint: text generation does not use them
+        self.ignored_tensors += [r"(model\.)?(vision_tower|multi_modal_projector)\..*"]
 
     @staticmethod
     def config_from_hf(cfg: ConfigFields) -> ModelConfig:
+        if cfg.get("architectures", [""])[0] == "Gemma3ForConditionalGeneration":
+            text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+            cfg = ConfigFields(text, f"{cfg.source} (text_config)")
         arch = "gemma3" if cfg.get("architectures", [""])[0].startswith("Gemma3") else "gemma2"
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":

@@ -188,3 +188,33 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
     with torch.inference_mode():
         ref = model(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(prefill_logits(make_engine(folder), ids), ref, atol=1e-4, rtol=0)
+
+
+def test_an_all_sliding_model_gives_back_blocks_behind_the_window(tiny_hf_model):
+    """Phi-3's layers all slide (window 16 here): a long request holds only the blocks its window
+    reaches (at most window / block_size + 2 of them), the tokens do not change, and the blocks it
+    gave back stay in the prefix cache for a later prompt."""
+    path = tiny_hf_model("phi3")
+    engine = make_engine(path, block_size=4)
+    assert engine.kv.sliding_window == 16
+    reference = make_engine(path, block_size=4)
+    reference.kv.sliding_window = None  # holds every block
+    prompt = _prompts(engine.model_config.vocab_size)[2]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(prompt, params)
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        held.append(len(request.block_ids) - request.num_released_blocks)
+    assert max(held[1:]) <= 16 // 4 + 2 < len(request.all_token_ids) // 4
+    assert request.output_token_ids == greedy(reference, [prompt], 40)[0]
+    assert engine.num_free_blocks == engine.pool.num_blocks
+    # the same prompt again: its leading blocks, given back long ago, are still cached
+    again = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert again.num_cached_tokens >= 32 and again.output_token_ids == request.output_token_ids[:4]
+
+
+def test_gemma_keeps_every_block_for_its_global_layers(tiny_hf_model):
+    assert make_engine(tiny_hf_model("gemma2")).kv.sliding_window is None

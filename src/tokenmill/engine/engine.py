@@ -94,7 +94,9 @@ class LLMEngine:
                                  f"({mc.max_position_embeddings})")
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
         self.pool = BlockPool(num_blocks)
-        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
+        slides = mc.sliding_window is not None and all(mc.layer_slides(i) for i in range(mc.num_layers))
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
+                                 mc.sliding_window if slides else None)
         self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device,
                                   config.attention_backend)
@@ -174,6 +176,7 @@ class LLMEngine:
                 self.num_prompt_tokens += max(0, min(computed + n, len(request.prompt_token_ids)) - computed)
                 request.num_computed_tokens += n
                 self.kv.cache_full_blocks(request)
+                self.kv.release_behind_window(request)
         for request, token in results:
             try:
                 request.append_token(token.token_id)

@@ -102,10 +102,18 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Allocates slots for requests on demand and matches their prefixes against the cache."""
+    """Allocates slots for requests on demand and matches their prefixes against the cache.
 
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool):
+    `sliding_window` (set when every layer of the model slides): a request's leading blocks that no
+    future query can see are given back as it advances, so a long request holds about window /
+    block_size blocks; given back once registered in the prefix cache, they stay there for reuse
+    until evicted. Their table entries then point at block 0, which attention never reads: it reads
+    only the blocks its window reaches (layers/attention.py)."""
+
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None):
         self.pool = pool
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0   # tokens of admitted requests (counted by the scheduler at admission)
@@ -162,10 +170,25 @@ class KVCacheManager:
             self.pool.cache(request.block_ids[i], hashes[i])
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def release_behind_window(self, request: Request) -> None:
+        """After a step: give back the blocks wholly before the window of the request's next query
+        (at position p = num_computed_tokens, it reads keys after p - window)."""
+        if self.sliding_window is None:
+            return
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:  # registered first, so that a later prompt can reuse them
+            first_needed = min(first_needed, request.num_cached_blocks)
+        start = request.num_released_blocks
+        if first_needed > start:
+            self.pool.free(request.block_ids[start:first_needed])
+            request.block_ids[start:first_needed] = [0] * (first_needed - start)
+            request.num_released_blocks = first_needed
+
     def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids)
+        self.pool.free(request.block_ids[request.num_released_blocks:])
         request.block_ids = []
         request.num_cached_blocks = 0
+        request.num_released_blocks = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -40,6 +40,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)        # the block table
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0            # leading block-table entries registered in the prefix cache
+    num_released_blocks: int = 0          # leading entries given back: behind every layer's sliding window
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

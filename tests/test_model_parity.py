@@ -95,7 +95,8 @@ def test_bfloat16_close_to_float32(kind, tiny_hf_model):
     torch.testing.assert_close(half, full, atol=0.15 * full.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])  # the windowed ones with windows past block edges
 def test_cached_decode_equals_recomputation(kind, tiny_hf_model):
     """Decoding with the KV cache gives the tokens that recomputing the whole sequence gives."""
     engine = make_engine(tiny_hf_model(kind), block_size=4)

@@ -7,10 +7,10 @@ ignores `rope_freqs`, for qwen3 it does not read `attention.key_length` (head_di
 maps `context_length` to `n_ctx` rather than `n_positions`, so for those three it gets the HF
 config and checks the tensors only.
 
-These checks cover the first families (BASE_KINDS). The later ones (Gemma 2/3, Phi-3, the MoE
-kinds) are held to transformers through our own loader in test_model_parity.py, from safetensors
-and from their GGUF files; transformers 5's GGUF loader rebuilds none of them faithfully (it drops
-softcaps, windows or experts), so it cannot serve as the independent check there.
+These checks cover the first families (BASE_KINDS). For the later ones (Gemma 2/3, Phi-3, the MoE
+kinds) transformers 5's GGUF loader rebuilds none faithfully (it drops softcaps, windows or
+experts); llama.cpp itself is their independent check, where llama-cpp-python is installed (the
+benchmark peer): it reproduces transformers' logits from their GGUF files (last test below).
 """
 
 from __future__ import annotations
@@ -395,3 +395,22 @@ def test_default_gguf_path(default_gguf_path):
         value = f.read(value_len).decode()
     assert (magic, version) == (b"GGUF", 3)
     assert (key, value_type, value) == ("general.architecture", gguf.GGUFValueType.STRING, "llama")
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_llama_cpp_reproduces_hf_logits_from_the_gguf(kind, tiny_hf_model, tiny_gguf_model):
+    """llama.cpp itself (llama-cpp-python, the optional benchmark peer: scripts/install-peers.sh) reads
+    the later families' GGUF files and computes transformers' logits: the independent check of the
+    converter that transformers' GGUF loader cannot be for them. Phi-3 is left out: llama.cpp's phi3
+    vocabulary loader looks up Phi-3's own special tokens, which the tiny tokenizer does not have."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install-peers.sh)")
+    ids = _prompt_ids()[0].tolist()
+    with torch.no_grad():
+        expected = _load_hf(tiny_hf_model(kind))(torch.tensor([ids])).logits[0].numpy()
+    # float32 K/V (llama.cpp's default cache is f16)
+    llm = llama_cpp.Llama(model_path=str(tiny_gguf_model(kind, "F32")), logits_all=True, n_ctx=256, n_threads=1,
+                          type_k=0, type_v=0, verbose=False)
+    llm.eval(ids)
+    got = np.array(llm.scores[:len(ids)])
+    # gemma2 differs most (~3e-4 of the largest logit): llama.cpp's tanh softcaps and GELU
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-3 * np.abs(expected).max())

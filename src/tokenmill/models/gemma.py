@@ -6,8 +6,9 @@
 - attention scale query_pre_attn_scalar ** -0.5; Gemma 2: attention and final logit softcaps
 - sliding-window and global layers interleaved (Gemma 2: every other layer slides; Gemma 3: five
   of every six); Gemma 3: q/k norms, and the sliding layers' own rope base (10000)
-llama.cpp writes neither query_pre_attn_scalar nor the local rope base: a GGUF file gets
-head_dim ** -0.5 (as llama.cpp computes it for every size but Gemma 2 27B's) and base 10000.
+llama.cpp writes neither query_pre_attn_scalar nor the local rope base: a GGUF file gets base
+10000 and, as llama.cpp computes it, head_dim ** -0.5, but (hidden_size / heads) ** -0.5 for the 27B
+models (Gemma 2: 46 layers, Gemma 3: 62; their query_pre_attn_scalar, 144 and 168, is not head_dim).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ _GGUF_PATTERNS = gguf_name_table({
 # every `sliding_pattern`-th layer is global, the others slide
 _SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 _LOCAL_ROPE_THETA = 10000.0
+# llama.cpp's LLM_TYPE_27B, by layer count: attention scale (hidden_size / heads) ** -0.5, not head_dim ** -0.5
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 
 
-def _layer_types(arch: str, num_layers: int) -> tuple[str, ...]:
-    pattern = _SLIDING_PATTERN[arch]
+def _layer_types(pattern: int, num_layers: int) -> tuple[str, ...]:
     return tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
 
 
@@ -108,7 +110,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
             final_logit_softcap=cfg.float("final_logit_softcapping", None),
             sliding_window=sliding_window(cfg, "sliding_window"),
             layer_types=(tuple("sliding" if t == "sliding_attention" else "full" for t in types) if types
-                         else _layer_types(arch, layers)),
+                         else _layer_types(_SLIDING_PATTERN[arch], layers)),
             rope_local_theta=local_theta if arch == "gemma3" else None,
             embed_scale=math.sqrt(hidden), sandwich_norms=True,
         )
@@ -119,19 +121,23 @@ class GemmaForCausalLM(DecoderForCausalLM):
         arch = ckpt.architecture
         hidden, heads, layers = cfg.int("embedding_length"), cfg.int("attention.head_count"), cfg.int("block_count")
         theta, scaling = rope_scaling_from_gguf(cfg)
+        # per layer (true: slides) or every n-th layer global, as llama.cpp reads the key
         pattern = cfg.get("attention.sliding_window_pattern")
+        types = (tuple("sliding" if s else "full" for s in pattern) if isinstance(pattern, list) else
+                 _layer_types(cfg.int("attention.sliding_window_pattern", _SLIDING_PATTERN[arch]), layers))
+        head_dim = cfg.int("attention.key_length", hidden // heads)
         return ModelConfig(
             architecture=arch, vocab_size=ckpt.tensor_shape("token_embd.weight")[0], hidden_size=hidden,
             num_layers=layers, num_heads=heads, num_kv_heads=cfg.int("attention.head_count_kv", heads),
-            head_dim=cfg.int("attention.key_length", hidden // heads), intermediate_size=cfg.int("feed_forward_length"),
+            head_dim=head_dim, intermediate_size=cfg.int("feed_forward_length"),
             max_position_embeddings=cfg.int("context_length", 8192),
             norm_eps=cfg.float("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=True, qk_norm=arch == "gemma3", hidden_act="gelu_tanh",
+            attn_scale=(hidden // heads if layers == _LAYERS_27B[arch] else head_dim) ** -0.5,
             attn_logit_softcap=cfg.float("attn_logit_softcapping", None),
             final_logit_softcap=cfg.float("final_logit_softcapping", None),
             sliding_window=sliding_window(cfg, "attention.sliding_window"),
-            layer_types=(tuple("sliding" if s else "full" for s in pattern) if isinstance(pattern, list)
-                         else _layer_types(arch, layers)),
+            layer_types=types,
             rope_local_theta=_LOCAL_ROPE_THETA if arch == "gemma3" else None,
             embed_scale=math.sqrt(hidden), sandwich_norms=True,
         )

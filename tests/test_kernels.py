@@ -13,6 +13,7 @@ from tokenmill import LLM, SamplingParams, config, kernels
 from tokenmill.config import resolve_kv_cache_dtype
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.op import set_backend
 from tokenmill.layers.quant import kernel_available
 from tokenmill.models.loader import weight_forms
 
@@ -186,6 +187,190 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
     assert torch.equal(got, expected)
 
 
+WINDOWS = [None, 1, 5, 16, 17, 64, 100, 1000]   # none; smaller than, equal to and larger than the contexts
+# 1.5 binds (the scaled scores have a standard deviation ~1); 1000 barely does: tanh of tiny arguments,
+# where computing it as (1 - e^-2x) / (1 + e^-2x) would lose most of its digits
+SOFTCAPS = [None, 1.5, 1000.0]
+
+
+def torch_reference(heads: int, kv_heads: int, head_dim: int, window: int | None, softcap: float | None,
+                    cache: torch.Tensor) -> Attention:
+    layer = Attention(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window, logit_softcap=softcap)
+    layer.kv_cache = cache
+    set_backend(layer, "torch")
+    return layer
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 2, 80, 4), (8, 1, 128, 1)])
+def test_decode_kernel_window_and_softcap_equal_the_torch_reference(generic, dtype, window, softcap, heads, kv_heads,
+                                                                    head_dim, block_size):
+    """Sliding windows and the logit softcap in the decode kernel (AVX-512 and portable paths) == the
+    layer's PyTorch backend: windows that start inside a block, on a block edge, at position 0."""
+    lens = [1, 2, 15, 16, 17, 64, 100, 333]
+    _, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
+    reference = torch_reference(heads, kv_heads, head_dim, window, softcap, cache)
+    expected = reference._decode(q, cache[0], cache[1], tables, seq_lens)
+    got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, head_dim**-0.5, generic=generic,
+                               sliding_window=window, logit_softcap=softcap)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_reads_no_block_before_the_window():
+    """The blocks wholly before a request's window are never read: NaN there changes nothing."""
+    heads, kv_heads, head_dim, block_size, window = 4, 2, 64, 4, 6
+    lens = [3, 13, 40]
+    q, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, torch.float32)
+    q = q.float()
+    clean = {g: kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125, generic=g, sliding_window=window)
+             for g in (False, True)}
+    for b, n in enumerate(lens):
+        first_block = max(0, n - window) // block_size
+        cache[:, tables[b, :first_block]] = float("nan")
+    for g in (False, True):
+        got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125, generic=g, sliding_window=window)
+        assert torch.equal(got, clean[g])
+
+
+def exact_prefill_options(q, cache, table, seq_len, block_size, scale, window, softcap):
+    """float64 causal attention of q [n, heads, d] (the last n positions of seq_len) with a window and
+    a softcap."""
+    n = q.shape[0]
+    k, v = gather_exact(cache, table, seq_len, block_size, q.shape[1])
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys, rows = torch.arange(seq_len)[None, :], torch.arange(seq_len - n, seq_len)[:, None]
+    hidden = keys > rows
+    if window is not None:
+        hidden |= keys <= rows - window
+    return torch.einsum("hnl,lhd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 2, 80, 4)])
+@pytest.mark.parametrize(("seq_len", "num_q"), [(17, 17), (100, 100), (333, 5), (64, 63), (40, 1)])
+def test_prefill_kernel_window_and_softcap_equal_exact_attention(dtype, window, softcap, heads, kv_heads, head_dim,
+                                                                 block_size, seq_len, num_q):
+    if not kernels.load().quant_matmul_has_simd():
+        pytest.skip("the prefill kernel is AVX-512 only (SDPA runs elsewhere)")
+    _, cache, tables, _ = random_paged_batch([seq_len], heads, kv_heads, head_dim, block_size, dtype, seed=seq_len)
+    q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(5))
+    got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5, sliding_window=window,
+                                logit_softcap=softcap)
+    expected = exact_prefill_options(q, cache, tables[0], seq_len, block_size, head_dim**-0.5, window, softcap)
+    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    if window is not None:  # blocks wholly before the first row's window are not read
+        first_block = max(0, seq_len - num_q - window + 1) // block_size
+        cache[:, tables[0, :first_block]] = float("nan")
+        assert torch.equal(kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5,
+                                                 sliding_window=window, logit_softcap=softcap), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, None), (None, 1.5), (6, 1.5), (1, 1.5), (300, None)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_layer_kernels_equal_the_torch_backend_with_options(dtype, window, softcap, block_size):
+    """A mixed step through Attention.forward (whole prompts, chunks after cached tokens, decode rows):
+    backend auto (the C prefill and decode kernels, which now take windows and softcaps) == backend
+    torch (SDPA / matmuls and the gathered decode reference)."""
+    from tokenmill.layers.attention import AttentionMetadata
+
+    heads, kv_heads, head_dim = 8, 2, 64
+    spans = [(40, 40), (100, 7), (17, 1), (333, 1), (64, 63), (9, 2)]   # (seq_len, rows this step)
+    g = torch.Generator().manual_seed(block_size)
+    need = [-(-n // block_size) for n, _ in spans]
+    order = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables, slots, starts = [], [], [0]
+    for (n, rows), count in zip(spans, need, strict=True):
+        table, order = order[:count], order[count:]
+        tables.append(table + [0] * (max(need) - count))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n - rows, n)]
+        starts.append(starts[-1] + rows)
+    cache = torch.randn(2, sum(need) + 3, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata(query_start_loc=starts, seq_lens=[n for n, _ in spans], block_tables=torch.tensor(tables),
+                             slot_mapping=torch.tensor(slots), seq_lens_tensor=torch.tensor([n for n, _ in spans]),
+                             block_size=block_size)
+    q, k, v = (torch.randn(starts[-1], h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    outputs = {}
+    for backend in ("auto", "torch"):
+        layer = Attention(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window, logit_softcap=softcap)
+        layer.kv_cache = cache.clone()
+        set_backend(layer, backend)
+        assert layer.uses_kernels() == (backend == "auto")
+        outputs[backend] = layer(q, k, v, meta)
+    torch.testing.assert_close(outputs["auto"], outputs["torch"], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("generic", [False, True])
+def test_fused_rotary_decode_with_qk_norms_equals_the_torch_ops(dtype, generic):
+    """q/k RMSNorms per head inside decode_rotary (Qwen3, Gemma 3) == RMSNorm, apply_rotary, the cache
+    write and the decode kernel, to float32 rounding (the norm's sums run in another order): the
+    output and the cache."""
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    lens = [5, 48, 200, 17]
+    _, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=6)
+    positions = seq_lens - 1
+    slots = tables[torch.arange(len(lens)), positions // block_size] * block_size + positions % block_size
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g) * 3
+    norms = [RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)]
+    for norm in norms:
+        norm.weight.data = torch.rand(head_dim, generator=g) + 0.5
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)(positions)
+
+    unfused_cache = cache.clone()
+    q, k, v = qkv.view(len(lens), -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    q, k = apply_rotary(norms[0](q), *rope), apply_rotary(norms[1](k), *rope)
+    for i, t in enumerate((k, v)):
+        unfused_cache[i].view(-1, kv_heads, head_dim).index_copy_(0, slots, t.to(dtype))
+    expected = kernels.paged_decode(q, unfused_cache[0], unfused_cache[1], tables, seq_lens, head_dim**-0.5,
+                                    generic=generic).view(len(lens), -1)
+
+    fused_cache = cache.clone()
+    got = kernels.paged_decode_rotary(qkv, rope[0].view(len(lens), -1), rope[1].view(len(lens), -1), slots,
+                                      fused_cache[0], fused_cache[1], tables, seq_lens, heads, head_dim**-0.5,
+                                      generic=generic, qk_norm=(norms[0].weight, norms[1].weight, 1e-6))
+    ulp = 2e-6 if dtype == torch.float32 else 8e-3   # a bf16 cache rounds the new K once more or less
+    torch.testing.assert_close(fused_cache.float(), unfused_cache.float(), atol=ulp, rtol=ulp)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    unnormed = kernels.paged_decode_rotary(qkv, rope[0].view(len(lens), -1), rope[1].view(len(lens), -1), slots,
+                                           cache.clone()[0], cache.clone()[1], tables, seq_lens, heads,
+                                           head_dim**-0.5, generic=generic)
+    assert not torch.allclose(unnormed, expected, atol=1e-3)   # the norms matter on these inputs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_decode_stack_takes_qk_norms(tiny_gguf_model, kv_cache_dtype):
+    """Qwen3 (q/k norms): every layer builds a plan, and the C stack gives the layer loop's logprobs
+    bit for bit (both norm q and k inside the fused rotary kernel)."""
+    path = str(tiny_gguf_model("qwen3", "Q8_0"))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
+    results = {}
+    for use_stack in (True, False):
+        llm = LLM(path, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        model = llm.engine.model.model
+        assert all(layer.self_attn.q_norm is not None for layer in model.layers)
+        model.use_decode_stack = use_stack
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[use_stack] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                              for o in outputs]
+        assert isinstance(model._plan, kernels.StackPlan) == use_stack
+    assert results[True] == results[False]
+
+
 @pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
                          [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16"),
                           ("qwen2", "Q5_0", "auto")])  # qwen2: q/k/v biases
@@ -207,6 +392,131 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cac
         if use_stack:
             assert len(model._plan.layers) == len(model.layers)
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize(("window", "softcap", "kv_cache_dtype"),
+                         [(6, None, "auto"), (6, 1.5, "float32"), (None, 1.5, "auto"), (1, None, "auto")])
+def test_decode_stack_equals_the_layer_loop_with_options(tiny_gguf_model, window, softcap, kv_cache_dtype):
+    """A sliding window (ending inside blocks of 4, and shorter than the prompts) and a logit softcap set
+    on every layer: the C stack takes them (a plan is built) and gives the layer loop's logprobs bit
+    for bit; the options change the output, so neither path can be ignoring them."""
+    path = str(tiny_gguf_model("llama", "Q4_1"))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
+    results = {}
+    for use_stack, options in ((True, True), (False, True), (True, False)):
+        llm = LLM(path, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        model = llm.engine.model.model
+        model.use_decode_stack = use_stack
+        if options:
+            for layer in model.layers:
+                layer.self_attn.attn.sliding_window, layer.self_attn.attn.logit_softcap = window, softcap
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[use_stack, options] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                                       for o in outputs]
+        assert isinstance(model._plan, kernels.StackPlan) == use_stack
+        if use_stack and options:
+            assert [(p.attn.sliding_window, p.attn.logit_softcap) for p in model._plan.layers] == \
+                [(window or 0, pytest.approx(softcap or 0.0))] * len(model.layers)
+    assert results[True, True] == results[False, True]
+    assert results[True, True] != results[True, False]
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_fused_gelu_tanh_equals_the_torch_activation(generic):
+    """GELU-tanh (GeGLU) fused into the quantized matmul's input pass == F.gelu(approximate="tanh") *
+    up, then the kernel, to float32 rounding; and it is not SiLU."""
+    import torch.nn.functional as F
+
+    from tokenmill.layers.quant import QuantWeight, quantize
+
+    g = torch.Generator().manual_seed(4)
+    weight = QuantWeight(quantize(torch.randn(48, 96, generator=g), 4), torch.float32)
+    gate_up = torch.randn(9, 192, generator=g) * 4   # gates from -15 to 15: both tails and the middle
+    gate, up = gate_up.chunk(2, dim=-1)
+
+    def run(x, gated):
+        return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 48, 4, gated=gated,
+                                    generic=generic)
+
+    expected = run(F.gelu(gate, approximate="tanh") * up, None)
+    got = run(gate_up, "gelu_tanh")
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert not torch.allclose(got, run(gate_up, "silu"), atol=1e-2)
+    with pytest.raises(ValueError, match="gated activation"):
+        run(gate_up, "relu")
+
+
+def test_portable_build_fuses_gelu_tanh(monkeypatch):
+    """The portable build's GELU-tanh (libm's tanhf, no vectors) == F.gelu(approximate="tanh") * up,
+    then the kernel."""
+    import torch.nn.functional as F
+
+    from tokenmill.layers.quant import QuantWeight, quantize
+
+    g = torch.Generator().manual_seed(4)
+    weight = QuantWeight(quantize(torch.randn(48, 96, generator=g), 4), torch.float32)
+    gate_up = torch.randn(9, 192, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in kernels._FLAGS])
+    _clear_kernel_caches()
+    try:
+        assert kernels.load().quant_matmul_has_simd() == 0
+        got = kernels.quant_matmul(gate_up, weight.packed, weight.scales, weight.offsets, 48, 4, gated="gelu_tanh")
+        expected = kernels.quant_matmul(F.gelu(gate, approximate="tanh") * up, weight.packed, weight.scales,
+                                        weight.offsets, 48, 4)
+    finally:
+        _clear_kernel_caches()
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def decode_step_both_ways(path: str) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One decode step of three requests (after their prefill) from the same KV cache, through the C
+    decode stack and through the layer loop: the two final hidden states and the stack's layer plans."""
+    engine = make_engine(path, block_size=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for prompt in ([1, 5, 9, 2], list(range(3, 40)), [7] * 19):
+        engine.add_request(prompt, params)
+    engine.step()  # the prefills
+    scheduled = engine.scheduler.schedule().scheduled
+    input_ids, positions, meta, _, _ = engine.runner.prepare(scheduled)
+    assert meta.is_decode_only
+    model = engine.model.model
+    caches = [c.clone() for c in engine.kv_caches]
+    hidden = {}
+    with torch.inference_mode():
+        for use_stack in (True, False):
+            for cache, saved in zip(engine.kv_caches, caches, strict=True):
+                cache.copy_(saved)
+            model.use_decode_stack = use_stack
+            hidden[use_stack] = engine.model(input_ids, positions, meta)
+            assert isinstance(model._plan, kernels.StackPlan), "every layer must plan"
+    return hidden[True], hidden[False], list(model._plan.layers)
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize(("kind", "local"), [("gemma2", [0, 0]), ("gemma3", [1, 1, 1, 1, 1, 0])])
+def test_gemma_stacks_take_the_c_path(tiny_gguf_model, ftype, kind, local):
+    """Gemma 2 (GeGLU, sandwich norms, a sliding and a global layer, attention softcap) and Gemma 3 (q/k
+    norms too, five local-rope sliding layers then a global one) plan every layer, and a decode step
+    through the C stack equals the layer loop's to float32 rounding: the sandwich norms sum their
+    squares in another order there, and a last-bit difference can move an activation by one step of
+    the next matmul's int8 planes (an option the stack dropped would be off by far more)."""
+    stack, loop, plans = decode_step_both_ways(str(tiny_gguf_model(kind, ftype)))
+    assert [p.rope_local for p in plans] == local
+    assert all(p.attn_out_norm and p.mlp_out_norm and p.mlp.activation == 2 for p in plans)
+    assert plans[0].attn.sliding_window == 8 and plans[-1].attn.sliding_window == 0
+    assert all(bool(p.attn.q_norm) == (kind == "gemma3") for p in plans)
+    assert (stack - loop).abs().max() <= 1e-3 * loop.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["phi3", "qwen3"])
+def test_decode_stack_runs_windowed_and_qk_norm_models_bit_for_bit(tiny_gguf_model, kind):
+    """Phi-3 (every layer slides, window 16, blocks given back behind it) and Qwen3 (q/k norms): a decode
+    step through the C stack == the layer loop, bit for bit (no sandwich norms)."""
+    stack, loop, plans = decode_step_both_ways(str(tiny_gguf_model(kind, "Q8_0")))
+    assert all(p.attn.sliding_window == (16 if kind == "phi3" else 0) for p in plans)
+    assert torch.equal(stack, loop)
 
 
 def test_plan_structs_match_the_header():

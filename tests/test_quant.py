@@ -161,9 +161,9 @@ def test_fused_input_ops_equal_the_layers_they_stand_for(generic):
         return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 100, 4, generic=generic, **kw)
 
     h = norm(silu_and_mul(gate_up))
-    assert_close_rel(run(gate_up, gated=True, norm=(norm.weight, 1e-5), residual=residual),
+    assert_close_rel(run(gate_up, gated="silu", norm=(norm.weight, 1e-5), residual=residual),
                      residual + run(h), 1e-5)
-    assert_close_rel(run(gate_up, gated=True), run(silu_and_mul(gate_up)), 1e-5)
+    assert_close_rel(run(gate_up, gated="silu"), run(silu_and_mul(gate_up)), 1e-5)
     x = torch.randn(7, 96)
     assert_close_rel(run(x, norm=(norm.weight, 1e-5)), run(norm(x)), 1e-5)
     assert torch.equal(run(x, residual=residual), residual + run(x))

@@ -1,10 +1,15 @@
 """CPU kernels written in C where no PyTorch op fits, compiled on first use and called by ctypes.
 
-- paged_attention.c: single-query (decode) attention straight from the paged KV cache.
+- paged_decode.c: single-query (decode) attention straight from the paged KV cache, alone or with
+  the rotary embedding and the cache write fused in.
+- paged_prefill.c: causal attention of a prefill chunk over the paged KV cache (AVX-512 builds).
 - quant_matmul.c: x W^T for weights in 4/8-bit groups of 32 with int8 activations (VNNI), and
   row dequantization of the same layout (layers/quant.py packs the weights).
-- kernels.c: includes both (one library) and adds decode_stack, a decoder stack's decode step as
-  one call, run from per-layer plan structs declared in kernels.h (mirrored here with ctypes).
+- kernels.c: decode_stack, a decoder stack's decode step as one call, run from per-layer plan
+  structs declared in kernels.h (mirrored here with ctypes).
+
+Each .c file is its own translation unit compiled against kernels.h (every exported function and
+plan struct) and the helper headers simd.h / attention.h; all of them link into one library.
 
 The C sources ship with the package; they are compiled once per machine with the system's C compiler
 (`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
@@ -58,7 +63,8 @@ _PREFILL_FN = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefil
 
 
 def _compile(compiler: str) -> Path:
-    sources = b"\0".join(p.read_bytes() for p in sorted([*_DIR.glob("*.c"), *_DIR.glob("*.h")]))
+    units = sorted(_DIR.glob("*.c"))
+    sources = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted([*units, *_DIR.glob("*.h")]))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
@@ -68,7 +74,7 @@ def _compile(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_DIR / "kernels.c"), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *_FLAGS, *map(str, units), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
@@ -98,22 +104,23 @@ def _library() -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument and result types of every exported function."""
     i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-    args = [ptr] * 4 + [i64, ptr, ptr] + [i64] * 5 + [f32, i32, i32]
+    options = [f32, i64, f32]  # scale, sliding window, logit softcap
+    args = [ptr] * 4 + [i64, ptr, ptr] + [i64] * 5 + options + [i32, i32]
     for name in _DECODE_FN.values():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = i32
-    for name in _ROTARY_DECODE_FN.values():
-        getattr(lib, name).argtypes = [ptr] * 6 + args[3:]
+    for name in _ROTARY_DECODE_FN.values():  # ... softcap, q_norm, k_norm, qk_norm_eps, num_threads, generic
+        getattr(lib, name).argtypes = [ptr] * 6 + args[3:-2] + [ptr, ptr, f32] + args[-2:]
         getattr(lib, name).restype = i32
     for name in _PREFILL_FN.values():
-        getattr(lib, name).argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr] + [i64] * 4 + [f32, i32]
+        getattr(lib, name).argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
         getattr(lib, name).restype = i32
     lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.quant_matmul.restype = i32
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = i32
-    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
     lib.decode_stack.restype = i32
     lib.plan_struct_size.argtypes = [i32]
     lib.plan_struct_size.restype = i64
@@ -131,12 +138,23 @@ def supports_paged_decode(cache: torch.Tensor) -> bool:
     return cache.device.type == "cpu" and cache.dtype in _DECODE_FN and load() is not None
 
 
+def _options(scale: float, sliding_window: int | None, logit_softcap: float | None) -> tuple[float, int, float]:
+    """The attention kernels' (scale, window, softcap) arguments: 0 turns an option off."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
+    return scale, sliding_window or 0, logit_softcap or 0.0
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, generic: bool = False) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, generic: bool = False, sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> torch.Tensor:
     """q [B, heads, head_dim] -> fp32 [B, heads, head_dim]; caches [blocks, block_size, kv_heads,
     head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64. Caller checks
     supports_paged_decode(k_cache) first. `generic` runs the portable C loops (the tests' reference
-    for the AVX-512 path)."""
+    for the AVX-512 path). Options as in layers/attention.Attention: `sliding_window` w (the query
+    sees the last w positions; only their blocks are read), `logit_softcap` c."""
     lib = load()
     q = q.float().contiguous()
     block_tables = block_tables.contiguous()
@@ -147,8 +165,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     failed = getattr(lib, _DECODE_FN[k_cache.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size, scale,
-        torch.get_num_threads(), int(generic))
+        seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
+        *_options(scale, sliding_window, logit_softcap), torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory for the score buffer")
     return out
@@ -156,32 +174,41 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, heads: int, scale: float, generic: bool = False) -> torch.Tensor:
+                        seq_lens: torch.Tensor, heads: int, scale: float, generic: bool = False,
+                        sliding_window: int | None = None, logit_softcap: float | None = None,
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """One decode step of a layer in one call: qkv [B, (heads + 2 kv_heads) * head_dim] (a fused
     projection's output), cos/sin [B, head_dim] (RotaryEmbedding's full-width tables at each row's
-    position), slots [B]: rotates q and k, writes k and v to their cache slots, attends; returns fp32
-    [B, heads * head_dim]. The same bits as the unfused ops; caller checks supports_paged_decode."""
+    position), slots [B]: optionally RMSNorms each q and k head (`qk_norm` = (q weight, k weight, eps),
+    weights [head_dim]), rotates q and k, writes k and v to their cache slots, attends (options as in
+    paged_decode); returns fp32 [B, heads * head_dim]. Without qk_norm, the same bits as the unfused
+    ops; with it, the same to float32 rounding. Caller checks supports_paged_decode."""
     lib = load()
     _, block_size, kv_heads, head_dim = k_cache.shape
     assert head_dim <= MAX_ROTARY_HEAD_DIM and k_cache.is_contiguous() and v_cache.is_contiguous()
     qkv, cos, sin = (t.float().contiguous() for t in (qkv, cos, sin))
+    q_norm, k_norm, eps = (None, None, 0.0) if qk_norm is None else (
+        qk_norm[0].float().contiguous(), qk_norm[1].float().contiguous(), qk_norm[2])
     batch = qkv.shape[0]
     out = torch.empty(batch, heads * head_dim)
     failed = getattr(lib, _ROTARY_DECODE_FN[k_cache.dtype])(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), batch, heads,
-        kv_heads, head_dim, block_size, scale, torch.get_num_threads(), int(generic))
+        kv_heads, head_dim, block_size, *_options(scale, sliding_window, logit_softcap), pointer(q_norm),
+        pointer(k_norm), eps, torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory")
     return out
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_len: int, scale: float) -> torch.Tensor | None:
+                  seq_len: int, scale: float, sliding_window: int | None = None,
+                  logit_softcap: float | None = None) -> torch.Tensor | None:
     """Causal attention of one request's query rows q [n, heads, head_dim] (its last n positions of
     seq_len) over its paged K/V (block_table [>= ceil(seq_len / block_size)] int64) -> fp32 [n, heads,
     head_dim]; None where the kernel does not apply (no AVX-512 build, head_dim not a multiple of 16):
-    the caller runs SDPA. Caller checks supports_paged_decode(k_cache) first."""
+    the caller runs SDPA. Options as in paged_decode (blocks wholly before the first row's window
+    are not read). Caller checks supports_paged_decode(k_cache) first."""
     lib = load()
     q = q.float().contiguous()
     block_table = block_table.contiguous()
@@ -190,7 +217,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     status = getattr(lib, _PREFILL_FN[k_cache.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), seq_len, num_q, out.data_ptr(),
-        heads, kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        heads, kv_heads, head_dim, block_size, *_options(scale, sliding_window, logit_softcap),
+        torch.get_num_threads())
     if status == 1:
         raise MemoryError("paged prefill attention: out of memory")
     return None if status < 0 else out
@@ -199,12 +227,23 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # ---------------------------------------------------------------------------------- quantized matmul
 
 
+GATES = {None: 0, "silu": 1, "gelu_tanh": 2}  # kernels.h TM_GATE_*: the fused activation's code
+
+
+def gate_code(gated: str | None) -> int:
+    if gated not in GATES:
+        raise ValueError(f"gated activation {gated!r} is not one of {sorted(map(str, GATES))}")
+    return GATES[gated]
+
+
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 out_features: int, bits: int, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-                 residual: torch.Tensor | None = None, generic: bool = False) -> torch.Tensor:
+                 out_features: int, bits: int, gated: str | None = None,
+                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+                 generic: bool = False) -> torch.Tensor:
     """fp32 [M, N] = f(x) @ W^T (+ residual), W packed by layers/quant.py; activations quantized inside.
 
-    f, fused into the activation pass: `gated` (x [M, 2K] = [gate | up] -> silu(gate) * up), then
+    f, fused into the activation pass: `gated` (x [M, 2K] = [gate | up] -> act(gate) * up, act "silu"
+    or "gelu_tanh", GELU's tanh approximation), then
     `norm` = (weight [K], eps): RMSNorm. `generic` runs the portable C path (the tests' reference)."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], out_features)
@@ -214,7 +253,7 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, of
         assert residual.shape == y.shape
     k = x.shape[1] // 2 if gated else x.shape[1]
     if load().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                           out_features, bits, int(gated), None if norm_w is None else norm_w.data_ptr(), eps,
+                           out_features, bits, gate_code(gated), None if norm_w is None else norm_w.data_ptr(), eps,
                            None if residual is None else residual.data_ptr(), y.data_ptr(), int(generic),
                            torch.get_num_threads()):
         raise MemoryError("quantized matmul: out of memory for the activation buffer")
@@ -245,16 +284,19 @@ class AttentionPlan(ctypes.Structure):
                 ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_bf16", ctypes.c_int64),
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-                ("block_size", ctypes.c_int64)]
+                ("block_size", ctypes.c_int64), ("sliding_window", ctypes.c_int64), ("logit_softcap", ctypes.c_float),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_norm_eps", ctypes.c_float)]
 
 
 class MLPPlan(ctypes.Structure):
     _fields_ = [("gate_up", QuantWeightPlan), ("down", QuantWeightPlan), ("norm", ctypes.c_void_p),
-                ("norm_eps", ctypes.c_float)]
+                ("norm_eps", ctypes.c_float), ("activation", ctypes.c_int64)]
 
 
 class LayerPlan(ctypes.Structure):
-    _fields_ = [("attn", AttentionPlan), ("mlp", MLPPlan)]
+    _fields_ = [("attn", AttentionPlan), ("mlp", MLPPlan), ("attn_out_norm", ctypes.c_void_p),
+                ("mlp_out_norm", ctypes.c_void_p), ("attn_out_norm_eps", ctypes.c_float),
+                ("mlp_out_norm_eps", ctypes.c_float), ("rope_local", ctypes.c_int64)]
 
 
 PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan)  # plan_struct_size's numbering
@@ -273,14 +315,21 @@ class StackPlan:
         self.tensors = tensors
 
 
-def decode_stack(plan: StackPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A decode step through every layer of `plan`: x [B, hidden] fp32 (a new tensor is returned),
-    cos/sin [B, head_dim] (full-width rotary tables at each row's position), slots [B]."""
+    rope = (cos, sin) [B, head_dim] (full-width rotary tables at each row's position), rope_local the
+    same for the layers planned with rope_local (None if there are none), slots [B]."""
     x = x.float().contiguous().clone()
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    if load().decode_stack(plan.layers, len(plan.layers), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-                           slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                           torch.get_num_threads()):
+    tables = [t.reshape(x.shape[0], -1).float().contiguous() for t in (*rope, *(rope_local or ()))]
+    cos, sin, cos_local, sin_local = (*tables, None, None)[:4]
+    status = load().decode_stack(plan.layers, len(plan.layers), x.data_ptr(), x.shape[0], cos.data_ptr(),
+                                 sin.data_ptr(), pointer(cos_local), pointer(sin_local), slots.data_ptr(),
+                                 block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+                                 torch.get_num_threads())
+    if status == 2:
+        raise ValueError("decode stack: a layer plan has an unknown activation or needs local rotary tables")
+    if status:
         raise MemoryError("decode stack: out of memory")
     return x

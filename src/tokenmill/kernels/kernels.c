@@ -1,8 +1,8 @@
-/* tokenmill's C kernels, built as one library: decode attention (paged_attention.c), the quantized
- * matmul (quant_matmul.c), and decode_stack below, which runs a decoder stack for one decode step
- * by calling them in sequence, layer by layer, from the plans declared in kernels.h. */
-#include "paged_attention.c"
-#include "quant_matmul.c"
+/* decode_stack: a decoder stack's decode step in one call, from the per-layer plans declared in
+ * kernels.h, calling the exported kernels of the other units layer by layer. */
+#include <math.h>
+#include <stdlib.h>
+
 #include "kernels.h"
 
 int64_t plan_struct_size(int which) {
@@ -21,43 +21,80 @@ static int matmul(const tm_quant_weight *w, const float *x, int64_t batch, int g
                         gated, norm, eps, residual, y, 0, num_threads);
 }
 
+/* x [batch, n] += w y / sqrt(mean(y^2) + eps), row by row: a sandwich norm on a block's output y,
+ * then the residual add (the layer loop's RMSNorm sums in PyTorch's order, so the two agree to
+ * float32 rounding, not bit for bit). */
+static void add_rmsnorm(float *x, const float *y, const float *w, float eps, int64_t batch, int64_t n) {
+    for (int64_t b = 0; b < batch; b++) {
+        const float *yb = y + b * n;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < n; i++) squares += yb[i] * yb[i];
+        const float r = 1.0f / sqrtf(squares / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) x[b * n + i] += w[i] * (yb[i] * r);
+    }
+}
+
+/* x + out_norm(y), y = w(a): the projection ending a block, with the residual add fused into the
+ * matmul when there is no sandwich norm (tmp: [batch, hidden] scratch). */
+static int block_output(const tm_quant_weight *w, const float *a, int64_t batch, int gated, const float *out_norm,
+                        float eps, float *x, float *tmp, int num_threads) {
+    if (out_norm == NULL) return matmul(w, a, batch, gated, NULL, 0.0f, x, x, num_threads);
+    if (matmul(w, a, batch, gated, NULL, 0.0f, NULL, tmp, num_threads)) return 1;
+    add_rmsnorm(x, tmp, out_norm, eps, batch, w->out_features);
+    return 0;
+}
+
+static int valid_plan(const tm_layer_plan *layer, const float *cos_local) {
+    const int64_t act = layer->mlp.activation;
+    return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL);
+}
+
 /* x [batch, hidden] fp32, updated in place: for each layer,
- *   x = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)) + bias)))   (K/V written to the cache)
- *   x = x + down_proj(silu(gate) * up), [gate | up] = gate_up_proj(rmsnorm(x))
+ *   x = x + out_norm(o_proj(attention(rotary(qk_norm(qkv_proj(rmsnorm(x)) + bias)))))   (K/V to the cache)
+ *   x = x + out_norm(down_proj(act(gate) * up)), [gate | up] = gate_up_proj(rmsnorm(x))
  * the same kernel calls, in the same order, as the blocks' PyTorch path (layers/), so the same
- * bits. Layers may differ in shape: the scratch buffers are sized for the widest. */
+ * bits (out_norm, the sandwich norm where a layer has one: see add_rmsnorm). Layers may differ in
+ * shape: the scratch buffers are sized for the widest. */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
-                 const float *sin, const int64_t *slots, const int64_t *block_tables,
-                 int64_t max_blocks, const int64_t *seq_lens, int num_threads) {
+                 const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
+                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int num_threads) {
     int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_attention_plan *a = &layers[l].attn;
+        if (!valid_plan(&layers[l], cos_local)) return 2;
         qkv_max = a->qkv.out_features > qkv_max ? a->qkv.out_features : qkv_max;
         attn_max = a->heads * a->head_dim > attn_max ? a->heads * a->head_dim : attn_max;
         gate_up_max = layers[l].mlp.gate_up.out_features > gate_up_max ? layers[l].mlp.gate_up.out_features
                                                                        : gate_up_max;
     }
+    const int64_t hidden = num_layers > 0 ? layers[0].attn.qkv.in_features : 0;
     float *qkv = malloc(sizeof(float) * (size_t)(batch * qkv_max));
     float *attn = malloc(sizeof(float) * (size_t)(batch * attn_max));
     float *gate_up = malloc(sizeof(float) * (size_t)(batch * gate_up_max));
-    int failed = qkv == NULL || attn == NULL || gate_up == NULL;
+    float *out = malloc(sizeof(float) * (size_t)(batch * hidden + 1));
+    int failed = qkv == NULL || attn == NULL || gate_up == NULL || out == NULL;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
-        const tm_attention_plan *a = &layers[l].attn;
-        const tm_mlp_plan *m = &layers[l].mlp;
+        const tm_layer_plan *layer = &layers[l];
+        const tm_attention_plan *a = &layer->attn;
+        const tm_mlp_plan *m = &layer->mlp;
         const int64_t qkv_n = a->qkv.out_features;
-        failed = matmul(&a->qkv, x, batch, 0, a->norm, a->norm_eps, NULL, qkv, num_threads);
+        failed = matmul(&a->qkv, x, batch, TM_GATE_NONE, a->norm, a->norm_eps, NULL, qkv, num_threads);
         if (!failed && a->qkv_bias != NULL) {  /* added after the matmul, as the layer loop adds it */
             for (int64_t i = 0; i < batch; i++)
                 for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += a->qkv_bias[j];
         }
         failed = failed
               || (a->kv_bf16 ? paged_decode_rotary_bf16 : paged_decode_rotary_f32)(
-                     qkv, cos, sin, slots, a->k_cache, a->v_cache, block_tables, max_blocks, seq_lens, attn, batch,
-                     a->heads, a->kv_heads, a->head_dim, a->block_size, a->scale, num_threads, 0)
-              || matmul(&a->o, attn, batch, 0, NULL, 0.0f, x, x, num_threads)
-              || matmul(&m->gate_up, x, batch, 0, m->norm, m->norm_eps, NULL, gate_up, num_threads)
-              || matmul(&m->down, gate_up, batch, 1, NULL, 0.0f, x, x, num_threads);
+                     qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, slots,
+                     a->k_cache, a->v_cache, block_tables, max_blocks, seq_lens, attn, batch, a->heads, a->kv_heads,
+                     a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm, a->k_norm,
+                     a->qk_norm_eps, num_threads, 0)
+              || block_output(&a->o, attn, batch, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps, x,
+                              out, num_threads)
+              || matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads)
+              || block_output(&m->down, gate_up, batch, (int)m->activation, layer->mlp_out_norm,
+                              layer->mlp_out_norm_eps, x, out, num_threads);
     }
-    free(qkv); free(attn); free(gate_up);
+    free(qkv); free(attn); free(gate_up); free(out);
     return failed;
 }

@@ -1,5 +1,11 @@
 /* The C kernels' one header: the plan structs that Python builds (kernels/__init__.py mirrors them
- * with ctypes; tests/test_kernels.py checks the sizes agree) and every exported function. */
+ * with ctypes; tests/test_kernels.py checks the sizes agree) and every exported function, each
+ * defined in one unit:
+ *   paged_decode.c   paged_decode_*, paged_decode_rotary_*
+ *   paged_prefill.c  paged_prefill_*
+ *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
+ *   kernels.c        decode_stack, plan_struct_size
+ * Their shared inline helpers live in simd.h (vector math) and attention.h (K/V access, softmax). */
 #ifndef TOKENMILL_KERNELS_H
 #define TOKENMILL_KERNELS_H
 
@@ -16,8 +22,8 @@ typedef struct {
     int64_t bits;               /* 4 or 8 */
 } tm_quant_weight;
 
-/* x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)) + qkv_bias))) for one decode step, K/V written
- * to the cache. Built by layers/self_attention.py (RotaryAttention.plan) only for options this
+/* x + o_proj(attention(rotary(qk_norm(qkv_proj(rmsnorm(x)) + qkv_bias)))) for one decode step, K/V
+ * written to the cache. Built by layers/self_attention.py (RotaryAttention.plan) only for options this
  * code implements. */
 typedef struct {
     tm_quant_weight qkv, o;
@@ -28,31 +34,50 @@ typedef struct {
     void *k_cache, *v_cache;    /* [num_blocks, block_size, kv_heads, head_dim] */
     int64_t kv_bf16;            /* cache dtype: 1 bfloat16, 0 float32 */
     int64_t heads, kv_heads, head_dim, block_size;
+    int64_t sliding_window;     /* w: the query at p sees keys p - w < k <= p; 0: all keys */
+    float logit_softcap;        /* c: scores -> c tanh(scores / c) after the scale; 0: none */
+    const float *q_norm, *k_norm;   /* per-head RMSNorm weights [head_dim] before the rotation, or NULL */
+    float qk_norm_eps;
 } tm_attention_plan;
 
-/* x + down_proj(silu(gate) * up), [gate | up] = gate_up_proj(rmsnorm(x)) (layers/mlp.py GatedMLP.plan). */
+/* The activation fused into quant_matmul's input pass (its `gated` argument): none, or act(gate) * up
+ * of a fused [gate | up] input with act SiLU (SwiGLU) or GELU's tanh approximation (GeGLU). */
+enum { TM_GATE_NONE = 0, TM_GATE_SILU = 1, TM_GATE_GELU_TANH = 2 };
+
+/* x + down_proj(act(gate) * up), [gate | up] = gate_up_proj(rmsnorm(x)) (layers/mlp.py GatedMLP.plan). */
 typedef struct {
     tm_quant_weight gate_up, down;
     const float *norm;          /* the pre-MLP RMSNorm's weight [hidden] */
     float norm_eps;
+    int64_t activation;         /* TM_GATE_SILU or TM_GATE_GELU_TANH */
 } tm_mlp_plan;
 
+/* A decoder layer (layers/decoder.py DecoderLayer.plan):
+ *   x = x + out_norm(attention block(x)),  x = x + out_norm(mlp block(x))
+ * where out_norm is the identity, or with "sandwich" norms (Gemma 2/3) an RMSNorm of its own. */
 typedef struct {
     tm_attention_plan attn;
     tm_mlp_plan mlp;
+    const float *attn_out_norm, *mlp_out_norm;  /* the sandwich norms' weights [hidden], or NULL */
+    float attn_out_norm_eps, mlp_out_norm_eps;
+    int64_t rope_local;         /* 1: the layer rotates with decode_stack's local table, 0: the global one */
 } tm_layer_plan;
 
 /* sizeof of each plan struct, for the ctypes mirror's test: 0 tm_quant_weight, 1 tm_attention_plan,
  * 2 tm_mlp_plan, 3 tm_layer_plan. */
 int64_t plan_struct_size(int which);
 
-/* A decode step through `num_layers` layers: x [batch, hidden] fp32 (hidden: every layer's qkv in_features) updated in place; cos/sin
- * [batch, head_dim] (full-width rotary tables at each row's position), slots [batch], block_tables
- * [batch, max_blocks], seq_lens [batch]. Returns 1 if out of memory. */
+/* A decode step through `num_layers` layers: x [batch, hidden] fp32 (hidden: every layer's qkv
+ * in_features) updated in place; cos/sin [batch, head_dim] (full-width rotary tables at each row's
+ * position; cos_local/sin_local the same for layers with rope_local, else NULL), slots [batch],
+ * block_tables [batch, max_blocks], seq_lens [batch]. Returns 1 if out of memory, 2 for a plan this
+ * code cannot run (an unknown activation, a local layer without local tables). */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
-                 const float *sin, const int64_t *slots, const int64_t *block_tables,
-                 int64_t max_blocks, const int64_t *seq_lens, int num_threads);
+                 const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
+                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int num_threads);
 
+/* y [mrows, n] = f(x) W^T (+ residual) for a weight packed by layers/quant.py (quant_matmul.c); f: the
+ * `gated` activation (TM_GATE_*), then an RMSNorm with weight norm_w (or NULL). */
 int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
                  const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads);
@@ -60,27 +85,38 @@ int quant_matmul_has_simd(void);
 void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
                 const int64_t *ids, int64_t count, float *out);
 
-int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t *block_tables,
-                     int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads,
-                     int generic);
-int paged_decode_bf16(const float *q, const void *k, const void *v, const int64_t *block_tables,
-                      int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads,
-                      int generic);
+/* Decode attention, one query row per request (paged_decode.c): q/out [batch, heads, head_dim] fp32,
+ * k/v [num_blocks, block_size, kv_heads, head_dim] (the _f32 / _bf16 cache dtype), block_tables
+ * [batch, max_blocks], seq_lens [batch]. window: sliding window (0: none); softcap: logit softcap
+ * (0: none); generic: force the portable C path. Return 1 if out of memory. */
+int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t *block_tables, int64_t max_blocks,
+                     const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                     int num_threads, int generic);
+int paged_decode_bf16(const float *q, const void *k, const void *v, const int64_t *block_tables, int64_t max_blocks,
+                      const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                      int num_threads, int generic);
+/* The same from the fused projection qkv [batch, (heads + 2 kv_heads) head_dim]: q/k RMSNorms per
+ * head (q_norm / k_norm weights [head_dim], or NULL), rotary (cos/sin [batch, head_dim]), K/V written
+ * to slots [batch], then attention; out [batch, heads * head_dim]. */
 int paged_decode_rotary_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                             void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
                             float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int num_threads, int generic);
+                            int64_t block_size, float scale, int64_t window, float softcap, const float *q_norm,
+                            const float *k_norm, float qk_norm_eps, int num_threads, int generic);
 int paged_decode_rotary_bf16(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                              void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
                              float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t block_size, float scale, int num_threads, int generic);
+                             int64_t block_size, float scale, int64_t window, float softcap, const float *q_norm,
+                             const float *k_norm, float qk_norm_eps, int num_threads, int generic);
+/* Causal prefill attention of one request's last num_q positions (paged_prefill.c, AVX-512 builds):
+ * q/out [num_q, heads, head_dim], table its block table. Returns -1 where it does not apply. */
 int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                       int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, float scale, int num_threads);
+                      int64_t block_size, float scale, int64_t window, float softcap, int num_threads);
 int paged_prefill_bf16(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                        int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, float scale, int num_threads);
+                       int64_t block_size, float scale, int64_t window, float softcap, int num_threads);
 
 #endif

@@ -21,17 +21,13 @@
  * so one VNNI instruction takes 4 inputs of 16 rows against 4 activation bytes broadcast to all
  * lanes, and lane r accumulates row r: no horizontal sums.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <math.h>
 
+#include "kernels.h"
 #include "simd.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HAVE_VNNI 1
-#include <immintrin.h>
-#endif
 
 #define TILE 16
 #define GROUP 32
@@ -118,22 +114,45 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
 }
 
 /* ---- the fused input ops: a row of the layer's input before it is quantized ----
- * gated: the row is a fused [gate | up] projection of 2k values -> silu(gate) * up (SwiGLU);
+ * gated (TM_GATE_*): the row is a fused [gate | up] projection of 2k values -> act(gate) * up, act
+ * SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU; PyTorch's gelu(approximate="tanh"));
  * norm_w: RMSNorm with weight norm_w -> x / sqrt(mean(x^2) + eps) * norm_w (float32 throughout). */
+
+/* gelu_tanh(x) = x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+
+static void gate_row(const float *x, int64_t k, int gated, float *out) {
+    int64_t i = 0;
+#ifdef HAVE_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= k; i += 16) {  /* a vectorized exp / tanh: this runs for every prefill row */
+        const __m512 g = _mm512_loadu_ps(x + i);
+        __m512 act;
+        if (gated == TM_GATE_SILU) {
+            act = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        } else {
+            const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+            const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(GELU_BETA),
+                                               _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
+            act = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh512(inner)));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(act, _mm512_loadu_ps(x + k + i)));
+    }
+#endif
+    for (; i < k; i++) {
+        const float g = x[i];
+        const float act = gated == TM_GATE_SILU ? g / (1.0f + expf(-g))
+                                                : 0.5f * g * (1.0f + tanhf(GELU_BETA * (g + GELU_KAPPA * (g * g * g))));
+        out[i] = act * x[k + i];
+    }
+}
 
 static const float *prepare_row(const float *x, int64_t k, int gated, const float *norm_w, float eps,
                                 float *tmp) {
     const float *src = x;
     if (gated) {
-        int64_t i = 0;
-#ifdef HAVE_AVX512
-        for (; i + 16 <= k; i += 16) {  /* a vectorized exp: this runs for every prefill row */
-            const __m512 g = _mm512_loadu_ps(x + i), one = _mm512_set1_ps(1.0f);
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(tmp + i, _mm512_mul_ps(silu, _mm512_loadu_ps(x + k + i)));
-        }
-#endif
-        for (; i < k; i++) tmp[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
+        gate_row(x, k, gated, tmp);
         src = tmp;
     }
     if (norm_w != NULL) {
@@ -153,29 +172,41 @@ static inline int weight_u(const uint8_t *tg, int bits, int r, int k) {
     return c < 4 ? b & 15 : b >> 4;
 }
 
-/* Reference (portable C) tile kernel: rows [16t, 16t + nrows) of y for `mb` activation rows. */
-static void tile_generic(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits, int64_t t,
-                         int64_t groups, const int8_t *q, const float *dx, const float *bx, int64_t k,
-                         const float *res, float *y, int64_t mb, int64_t ldy, int nrows) {
-    const int64_t gbytes = bits * GROUP * TILE / 8;
-    for (int64_t i = 0; i < mb; i++) {
+/* What every tile of one quant_matmul call shares. */
+typedef struct {
+    const uint8_t *w;
+    const uint16_t *d, *m;
+    int bits;
+    int64_t groups, k, n;           /* n: outputs, the row stride of y and residual */
+    const int8_t *q;                /* per activation row: its hi plane [k], then its lo plane [k] */
+    const float *dx, *bx;           /* per activation row: [groups] */
+    const float *residual;          /* or NULL */
+    float *y;
+} tile_job;
+
+/* Reference (portable C) tile kernel: outputs [16t, 16t + nrows) of activation rows [i, i + mb). */
+static void tile_generic(const tile_job *job, int64_t t, int64_t i0, int64_t mb, int nrows) {
+    const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
+    for (int64_t i = i0; i < i0 + mb; i++) {
         float acc[TILE] = {0};
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *tg = w + (t * groups + g) * gbytes;
-            const int8_t *hg = q + i * 2 * k + g * GROUP, *lg = hg + k;
+            const uint8_t *tg = job->w + (t * groups + g) * gbytes;
+            const int8_t *hg = job->q + i * 2 * k + g * GROUP, *lg = hg + k;
             for (int r = 0; r < TILE; r++) {
                 int32_t sh = 0, sl = 0;
                 for (int kk = 0; kk < GROUP; kk++) {
-                    sh += weight_u(tg, bits, r, kk) * hg[kk];
-                    sl += weight_u(tg, bits, r, kk) * lg[kk];
+                    sh += weight_u(tg, job->bits, r, kk) * hg[kk];
+                    sl += weight_u(tg, job->bits, r, kk) * lg[kk];
                 }
                 const int64_t sg = (t * groups + g) * TILE + r;
                 const float s = fmaf((float)sh, 254.0f, (float)sl);
-                acc[r] = fmaf(s, f16_to_f32(d[sg]) * dx[i * groups + g], acc[r]);
-                acc[r] = fmaf(f16_to_f32(m[sg]), bx[i * groups + g], acc[r]);
+                acc[r] = fmaf(s, f16_to_f32(job->d[sg]) * job->dx[i * groups + g], acc[r]);
+                acc[r] = fmaf(f16_to_f32(job->m[sg]), job->bx[i * groups + g], acc[r]);
             }
         }
-        for (int r = 0; r < nrows; r++) y[i * ldy + r] = res != NULL ? acc[r] + res[i * ldy + r] : acc[r];
+        const int64_t at = i * job->n + t * TILE;
+        for (int r = 0; r < nrows; r++)
+            job->y[at + r] = job->residual != NULL ? acc[r] + job->residual[at + r] : acc[r];
     }
 }
 
@@ -199,61 +230,75 @@ static inline __m512 row_group(__m512 acc, const __m512i *u, const int8_t *qrow,
     return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), acc);
 }
 
-/* The same sums as tile_generic, for MB (<= 8) activation rows at once: the tile's weights are
- * unpacked once per group and reused by every row; each row's accumulator is a variable of its own
- * (not an array), so that they all stay in registers. */
-#define ROWS_8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-#define DEFINE_TILE_VNNI(MB)                                                                        \
-static void tile_vnni_##MB(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits,        \
-                           int64_t t, int64_t groups, const int8_t *q, const float *dx,             \
-                           const float *bx, int64_t k, const float *res, float *y, int64_t ldy,     \
-                           int nrows) {                                                             \
-    const int64_t gbytes = bits * GROUP * TILE / 8;                                                 \
-    const __m512i low = _mm512_set1_epi8(15);                                                       \
-    enum { ROWS = MB };                                                                             \
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0,          \
-           acc5 = acc0, acc6 = acc0, acc7 = acc0;                                                   \
-    for (int64_t g = 0; g < groups; g++) {                                                          \
-        const uint8_t *tg = w + (t * groups + g) * gbytes;                                          \
-        __m512i u[8];                                                                               \
-        if (bits == 4) {                                                                            \
-            for (int j = 0; j < 4; j++) {                                                           \
-                const __m512i v = _mm512_loadu_si512(tg + 64 * j);                                  \
-                u[j] = _mm512_and_si512(v, low);                                                    \
-                u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                          \
-            }                                                                                       \
-        } else {                                                                                    \
-            for (int c = 0; c < 8; c++) u[c] = _mm512_loadu_si512(tg + 64 * c);                    \
-        }                                                                                           \
-        const int64_t sg = (t * groups + g) * TILE;                                                 \
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + sg)));           \
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + sg)));           \
-        const int8_t *qg = q + g * GROUP;                                                           \
-        const float *dxg = dx + g, *bxg = bx + g;                                                   \
-        ROWS_8(ROW_GROUP)                                                                           \
-    }                                                                                               \
-    const __mmask16 mask = (__mmask16)((1u << nrows) - 1);                                          \
-    ROWS_8(ROW_STORE)                                                                               \
+/* Row i of a tile's result, + residual, to y (mask: the tile's live outputs). */
+static inline void store_tile_row(const tile_job *job, __m512 acc, int64_t i, int64_t t, __mmask16 mask) {
+    const int64_t at = i * job->n + t * TILE;
+    if (job->residual != NULL) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, job->residual + at));
+    _mm512_mask_storeu_ps(job->y + at, mask, acc);
 }
-/* Row i of the block, if the block has that many rows (ROWS is a constant: dead rows compile away). */
-#define ROW_GROUP(i)                                                                                \
-    if ((i) < ROWS) acc##i = row_group(acc##i, u, qg + (i) * 2 * k, k, dv, mv, dxg[(i) * groups], bxg[(i) * groups]);
-#define ROW_STORE(i)                                                                                \
-    if ((i) < ROWS) {                                                                               \
-        if (res != NULL) acc##i = _mm512_add_ps(acc##i, _mm512_maskz_loadu_ps(mask, res + (i) * ldy)); \
-        _mm512_mask_storeu_ps(y + (i) * ldy, mask, acc##i);                                         \
+
+/* The same sums as tile_generic for MB (1 to 8, constant at the call site) activation rows at
+ * once: the tile's weights are unpacked once per group and reused by every row. Each row's
+ * accumulator is a variable of its own (not an array), which keeps all eight in registers; the rows
+ * past MB compile away. */
+static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t, int64_t i0, int nrows) {
+    const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0, acc6 = acc0,
+           acc7 = acc0;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tg = job->w + (t * groups + g) * gbytes;
+        __m512i u[8];
+        if (job->bits == 4) {
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(tg + 64 * j);
+                u[j] = _mm512_and_si512(v, low);
+                u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            for (int c = 0; c < 8; c++) u[c] = _mm512_loadu_si512(tg + 64 * c);
+        }
+        const int64_t sg = (t * groups + g) * TILE;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->d + sg)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)));
+        const int8_t *qg = job->q + i0 * 2 * k + g * GROUP;
+        const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
+        acc0 = row_group(acc0, u, qg, k, dv, mv, dxg[0], bxg[0]);
+        if (MB > 1) acc1 = row_group(acc1, u, qg + 2 * k, k, dv, mv, dxg[groups], bxg[groups]);
+        if (MB > 2) acc2 = row_group(acc2, u, qg + 4 * k, k, dv, mv, dxg[2 * groups], bxg[2 * groups]);
+        if (MB > 3) acc3 = row_group(acc3, u, qg + 6 * k, k, dv, mv, dxg[3 * groups], bxg[3 * groups]);
+        if (MB > 4) acc4 = row_group(acc4, u, qg + 8 * k, k, dv, mv, dxg[4 * groups], bxg[4 * groups]);
+        if (MB > 5) acc5 = row_group(acc5, u, qg + 10 * k, k, dv, mv, dxg[5 * groups], bxg[5 * groups]);
+        if (MB > 6) acc6 = row_group(acc6, u, qg + 12 * k, k, dv, mv, dxg[6 * groups], bxg[6 * groups]);
+        if (MB > 7) acc7 = row_group(acc7, u, qg + 14 * k, k, dv, mv, dxg[7 * groups], bxg[7 * groups]);
     }
-DEFINE_TILE_VNNI(1)
-DEFINE_TILE_VNNI(2)
-DEFINE_TILE_VNNI(4)
-DEFINE_TILE_VNNI(8)
+    const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
+    store_tile_row(job, acc0, i0, t, mask);
+    if (MB > 1) store_tile_row(job, acc1, i0 + 1, t, mask);
+    if (MB > 2) store_tile_row(job, acc2, i0 + 2, t, mask);
+    if (MB > 3) store_tile_row(job, acc3, i0 + 3, t, mask);
+    if (MB > 4) store_tile_row(job, acc4, i0 + 4, t, mask);
+    if (MB > 5) store_tile_row(job, acc5, i0 + 5, t, mask);
+    if (MB > 6) store_tile_row(job, acc6, i0 + 6, t, mask);
+    if (MB > 7) store_tile_row(job, acc7, i0 + 7, t, mask);
+}
+
+/* Activation rows [i, end) against tile t, in runs of 8, 4, 2 and 1 rows. Kept out of line: the
+ * caller's loops and these register-hungry bodies are allocated apart. */
+__attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_t t, int64_t i, int64_t end,
+                                                     int nrows) {
+    for (; end - i >= 8; i += 8) tile_vnni(8, job, t, i, nrows);
+    for (; end - i >= 4; i += 4) tile_vnni(4, job, t, i, nrows);
+    for (; end - i >= 2; i += 2) tile_vnni(2, job, t, i, nrows);
+    for (; end - i >= 1; i += 1) tile_vnni(1, job, t, i, nrows);
+}
 #endif
 
 #define MBLOCK 8
 #define ROW_CHUNK 64
 
 /* y [M, N] fp32 = f(x) @ W^T (+ residual [M, N] when not NULL), f the fused input ops of
- * prepare_row (x is [M, 2K] when gated, else [M, K]). K is a multiple of 32; W has ceil(N / 16)
+ * prepare_row (x is [M, 2K] when gated, else [M, K]; gated is a TM_GATE_*). K is a multiple of 32; W has ceil(N / 16)
  * tiles. generic = 1 forces the portable path (the reference the tests hold the SIMD path to).
  * Returns 1 if out of memory. */
 int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
@@ -272,6 +317,8 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
     }
     #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
     {
+        /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
+        const tile_job job = {w, d, m, bits, groups, k, n, q, dx, bx, residual, y};
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < mrows; i++) {
             const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0));
@@ -280,28 +327,22 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
         /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of
          * the weight passes over them (a prefill chunk's rows would not). */
         for (int64_t first = 0; first < mrows; first += ROW_CHUNK) {
-        const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
-        const int64_t mblocks = (last - first + MBLOCK - 1) / MBLOCK;
-        #pragma omp for collapse(2) schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            for (int64_t b = 0; b < mblocks; b++) {
-                const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
-                int64_t i = first + b * MBLOCK;
-                const int64_t end = i + MBLOCK < last ? i + MBLOCK : last;
-#define ARGS(i) w, d, m, bits, t, groups, q + 2 * (i) * k, dx + (i) * groups, bx + (i) * groups, k, \
-                residual != NULL ? residual + (i) * n + t * TILE : NULL, y + (i) * n + t * TILE
+            const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
+            const int64_t mblocks = (last - first + MBLOCK - 1) / MBLOCK;
+            #pragma omp for collapse(2) schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                for (int64_t b = 0; b < mblocks; b++) {
+                    const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
+                    const int64_t i = first + b * MBLOCK, end = i + MBLOCK < last ? i + MBLOCK : last;
 #ifdef HAVE_VNNI
-                if (!generic) {
-                    for (; end - i >= 8; i += 8) tile_vnni_8(ARGS(i), n, nrows);
-                    for (; end - i >= 4; i += 4) tile_vnni_4(ARGS(i), n, nrows);
-                    for (; end - i >= 2; i += 2) tile_vnni_2(ARGS(i), n, nrows);
-                    for (; end - i >= 1; i += 1) tile_vnni_1(ARGS(i), n, nrows);
-                }
+                    if (!generic) {
+                        tile_rows_vnni(&job, t, i, end, nrows);
+                        continue;
+                    }
 #endif
-                if (i < end) tile_generic(ARGS(i), end - i, n, nrows);
-#undef ARGS
+                    tile_generic(&job, t, i, end - i, nrows);
+                }
             }
-        }
         }
     }
     free(q); free(dx); free(bx); free(tmp);

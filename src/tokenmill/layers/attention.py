@@ -59,8 +59,8 @@ class Attention(KernelOp):
     before the window are not read) and `logit_softcap` c (scores -> c tanh(scores / c), Gemma 2).
 
     Backends: "torch" is the plain PyTorch reference (the oracle every faster path is tested
-    against); "auto" runs the C kernels (tokenmill/kernels) on a CPU cache where they build and
-    implement the layer's options (`uses_kernels`): single-query rows read each request's blocks in
+    against); "auto" runs the C kernels (tokenmill/kernels) on a CPU cache where they build
+    (`uses_kernels`; they implement both options): single-query rows read each request's blocks in
     place instead of gathering and padding them, prefill chunks take the C prefill kernel (AVX-512
     builds). Everything else runs SDPA or, with a softcap, plain matmuls."""
 
@@ -76,10 +76,14 @@ class Attention(KernelOp):
         self.kv_cache: torch.Tensor | None = None  # bound once by the runner, see bind_kv_caches
 
     def uses_kernels(self) -> bool:
-        """The one place the kernel choice is made: backend auto, a cache the C kernels read, and no
-        option they lack (they implement neither a window nor a softcap)."""
-        return (self.backend == "auto" and self.kv_cache is not None and kernels.supports_paged_decode(self.kv_cache)
-                and self.sliding_window is None and self.logit_softcap is None)
+        """The one place the kernel choice is made: backend auto and a cache the C kernels read (they
+        implement every option of this layer; one they lacked would be refused here)."""
+        return self.backend == "auto" and self.kv_cache is not None and kernels.supports_paged_decode(self.kv_cache)
+
+    @property
+    def kernel_options(self) -> dict[str, int | float | None]:
+        """The layer's options as the C kernels' keyword arguments."""
+        return {"sliding_window": self.sliding_window, "logit_softcap": self.logit_softcap}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
@@ -105,14 +109,16 @@ class Attention(KernelOp):
         """Can this step run as one `decode_rotary` call (decode-only step, C kernel backend)?"""
         return meta.is_decode_only and self.head_dim <= kernels.MAX_ROTARY_HEAD_DIM and self.uses_kernels()
 
-    def decode_rotary(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      meta: AttentionMetadata) -> torch.Tensor:
+    def decode_rotary(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """A decode-only step from the unrotated fused q/k/v projection [T, (heads + 2 kv_heads) *
-        head_dim]: rotary, cache write and attention in one C call (see fuses_rotary_decode); the
-        same result as rotating, then forward()."""
+        head_dim]: per-head q/k RMSNorms (`qk_norm` = (q weight, k weight, eps)), rotary, cache write
+        and attention in one C call (see fuses_rotary_decode); the same result as norming and
+        rotating, then forward()."""
         cos, sin = (t.reshape(qkv.shape[0], self.head_dim) for t in rope)
         out = kernels.paged_decode_rotary(qkv, cos, sin, meta.slot_mapping, self.kv_cache[0], self.kv_cache[1],
-                                          meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale)
+                                          meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale,
+                                          qk_norm=qk_norm, **self.kernel_options)
         return out.to(qkv.dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -120,7 +126,7 @@ class Attention(KernelOp):
         """One query per request -> [B, heads, head_dim]."""
         if self.uses_kernels():
             out = kernels.paged_decode(q.view(q.shape[0], self.num_heads, self.head_dim), k_cache, v_cache,
-                                       block_tables, seq_lens, self.scale)
+                                       block_tables, seq_lens, self.scale, **self.kernel_options)
             return out.to(q.dtype)
         return self._decode_torch(q, k_cache, v_cache, block_tables, seq_lens)
 
@@ -163,7 +169,7 @@ class Attention(KernelOp):
             num_blocks = -(-seq_len // meta.block_size)
             if kernel:   # the C kernel (AVX-512 builds); None: it does not apply here, SDPA below
                 o = kernels.paged_prefill(q[q_start:q_end], k_cache, v_cache, meta.block_tables[b, :num_blocks],
-                                          seq_len, self.scale)
+                                          seq_len, self.scale, **self.kernel_options)
                 if o is not None:
                     out[q_start:q_end] = o.to(out.dtype)
                     continue

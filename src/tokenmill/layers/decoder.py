@@ -47,13 +47,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_out_norm(self.mlp(x, norm=self.mlp_norm))
 
     def plan(self) -> tuple[kernels.LayerPlan, list[torch.Tensor]] | None:
-        """kernels.h's tm_layer_plan for this layer, or None if one of its blocks has none."""
-        if self.attn_out_norm is not None or self.rope != "global" or not hasattr(self.mlp, "plan"):
+        """kernels.h's tm_layer_plan for this layer (its blocks' plans, the sandwich norms, which
+        rotary table), or None if one of its blocks has none."""
+        if not hasattr(self.mlp, "plan"):
             return None
         attn, mlp = self.self_attn.plan(self.attn_norm), self.mlp.plan(self.mlp_norm)
         if attn is None or mlp is None:
             return None
-        return kernels.LayerPlan(attn=attn[0], mlp=mlp[0]), attn[1] + mlp[1]
+        out_norms = [None if n is None else n.weight.float().contiguous()
+                     for n in (self.attn_out_norm, self.mlp_out_norm)]
+        plan = kernels.LayerPlan(attn=attn[0], mlp=mlp[0], rope_local=int(self.rope == "local"),
+                                 attn_out_norm=kernels.pointer(out_norms[0]),
+                                 mlp_out_norm=kernels.pointer(out_norms[1]),
+                                 attn_out_norm_eps=0.0 if self.attn_out_norm is None else self.attn_out_norm.eps,
+                                 mlp_out_norm_eps=0.0 if self.mlp_out_norm is None else self.mlp_out_norm.eps)
+        return plan, attn[1] + mlp[1] + [n for n in out_norms if n is not None]
 
 
 class DecoderModel(nn.Module):
@@ -81,9 +89,10 @@ class DecoderModel(nn.Module):
         if self.rotary_local is not None:
             ropes["local"] = self.rotary_local(positions)
         plan = self.stack_plan(x, meta)
-        if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below
-            cos, sin = (t.reshape(x.shape[0], -1) for t in ropes["global"])
-            x = kernels.decode_stack(plan, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor)
+        if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below (sandwich
+            # norms aside: the C stack sums their squares in its own order, so those agree to float32 rounding)
+            x = kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
+                                     meta.seq_lens_tensor, ropes.get("local"))
         else:
             for layer in self.layers:
                 x = layer(x, ropes, meta)

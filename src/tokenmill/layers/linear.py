@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.activation import GATED_ACTIVATIONS
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.op import KernelOp
 from tokenmill.layers.quant import QuantWeight
@@ -61,21 +61,21 @@ class Linear(_Weighted):
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + f(x) W^T + b, where the input ops f are, in order: `gated` (x is a fused
-        [gate | up] projection: silu(gate) * up), then `norm` (an RMSNorm). A quantized weight fuses
-        them into its kernel's activation pass (one call instead of ~10 ops of ~4 us each); otherwise
-        they run as the PyTorch layers they stand for."""
+        [gate | up] projection: act(gate) * up, act "silu" or "gelu_tanh"), then `norm` (an RMSNorm).
+        A quantized weight fuses them into its kernel's activation pass (one call instead of ~10 ops
+        of ~4 us each); otherwise they run as the PyTorch layers they stand for."""
         if self.qweight is not None and self.backend == "auto":
             return self.qweight.linear(x, self.bias, gated, None if norm is None else (norm.weight, norm.eps),
                                        residual)
         return self.forward_native(x, norm, gated, residual)
 
-    def forward_native(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
+    def forward_native(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: str | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
-        if gated:
-            x = silu_and_mul(x)
+        if gated is not None:
+            x = GATED_ACTIVATIONS[gated](x)
         if norm is not None:
             x = norm(x)
         weight = self.weight if self.qweight is None else self.qweight.dequantize(x.dtype)

@@ -25,21 +25,18 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + mlp(norm(x)); the norm, SwiGLU and residual add run inside the projections
-        (fused by quantized weights)."""
-        gate_up = self.gate_up_proj(x, norm=norm)
-        if self.activation == "silu":
-            return self.down_proj(gate_up, gated=True, residual=residual)
-        return self.down_proj(GATED_ACTIVATIONS[self.activation](gate_up), residual=residual)
+        """residual + mlp(norm(x)); the norm, the gated activation and the residual add run inside the
+        projections (fused by quantized weights)."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm), gated=self.activation, residual=residual)
 
     def plan(self, norm: RMSNorm) -> tuple[kernels.MLPPlan, list[torch.Tensor]] | None:
         """This block as kernels.h's tm_mlp_plan with `norm` as its input norm (and the tensors it
         points into), or None where the C stack does not implement it: dense projections, biases,
-        an activation other than SiLU."""
+        an activation the kernel does not fuse."""
         gate_up, down = self.gate_up_proj.kernel_weight(), self.down_proj.kernel_weight()
-        if (gate_up is None or down is None or self.activation != "silu" or self.gate_up_proj.bias is not None
-                or self.down_proj.bias is not None):
+        if (gate_up is None or down is None or self.activation not in kernels.GATES
+                or self.gate_up_proj.bias is not None or self.down_proj.bias is not None):
             return None
         norm_weight = norm.weight.float().contiguous()
         return kernels.MLPPlan(gate_up=gate_up.plan(), down=down.plan(), norm=norm_weight.data_ptr(),
-                               norm_eps=norm.eps), [norm_weight]
+                               norm_eps=norm.eps, activation=kernels.gate_code(self.activation)), [norm_weight]

@@ -138,7 +138,7 @@ class QuantWeight(nn.Module):
         return kernels.QuantWeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                                        self.out_features, self.in_features, self.bits)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,
                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + f(x) @ W^T + bias, the input ops f (see `Linear.forward`) fused into the kernel's
         activation pass (float32 inside, the result in x's dtype)."""

@@ -35,8 +35,8 @@ class RotaryAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + attention(norm(x)); the norm and the residual add run inside the projections."""
         qkv = self.qkv_proj(x, norm=norm)
-        if self.q_norm is None and self.attn.fuses_rotary_decode(meta):
-            return self.o_proj(self.attn.decode_rotary(qkv, rope, meta), residual=residual)
+        if self.attn.fuses_rotary_decode(meta):  # q/k norms, rotary, cache write, attention: one C call
+            return self.o_proj(self.attn.decode_rotary(qkv, rope, meta, self._qk_norm()), residual=residual)
         qkv = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
@@ -46,18 +46,31 @@ class RotaryAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta), residual=residual)
 
+    def _qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The q/k norms as the C kernel takes them: (q weight, k weight, eps), float32."""
+        if self.q_norm is None:
+            return None
+        return self.q_norm.weight.float().contiguous(), self.k_norm.weight.float().contiguous(), self.q_norm.eps
+
     def plan(self, norm: RMSNorm) -> tuple[kernels.AttentionPlan, list[torch.Tensor]] | None:
         """This block as kernels.h's tm_attention_plan with `norm` as its input norm (and the tensors
         it points into), or None where the C stack does not implement it: dense projections, a bias
-        on o_proj, q/k norms, options the attention kernels lack."""
+        on o_proj, options the attention kernels lack."""
         qkv, o, cache = self.qkv_proj.kernel_weight(), self.o_proj.kernel_weight(), self.attn.kv_cache
-        if (qkv is None or o is None or self.o_proj.bias is not None or self.q_norm is not None
-                or not self.attn.uses_kernels() or self.head_dim > kernels.MAX_ROTARY_HEAD_DIM):
+        if (qkv is None or o is None or self.o_proj.bias is not None or not self.attn.uses_kernels()
+                or self.head_dim > kernels.MAX_ROTARY_HEAD_DIM
+                or (self.q_norm is not None and self.q_norm.eps != self.k_norm.eps)):
             return None
         norm_weight = norm.weight.float().contiguous()
+        qk_norm = self._qk_norm()
         tensors = [norm_weight] + ([] if self.qkv_proj.bias is None else [self.qkv_proj.bias])
+        tensors += [] if qk_norm is None else list(qk_norm[:2])
         return kernels.AttentionPlan(
             qkv=qkv.plan(), o=o.plan(), qkv_bias=kernels.pointer(self.qkv_proj.bias),
             norm=norm_weight.data_ptr(), norm_eps=norm.eps, scale=self.attn.scale, k_cache=cache[0].data_ptr(),
             v_cache=cache[1].data_ptr(), kv_bf16=int(cache.dtype == torch.bfloat16), heads=self.num_heads,
-            kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache.shape[2]), tensors
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache.shape[2],
+            sliding_window=self.attn.sliding_window or 0, logit_softcap=self.attn.logit_softcap or 0.0,
+            q_norm=kernels.pointer(None if qk_norm is None else qk_norm[0]),
+            k_norm=kernels.pointer(None if qk_norm is None else qk_norm[1]),
+            qk_norm_eps=0.0 if qk_norm is None else qk_norm[2]), tensors

@@ -401,8 +401,9 @@ def test_default_gguf_path(default_gguf_path):
 def test_llama_cpp_reproduces_hf_logits_from_the_gguf(kind, tiny_hf_model, tiny_gguf_model):
     """llama.cpp itself (llama-cpp-python, the optional benchmark peer: scripts/install-peers.sh) reads
     the later families' GGUF files and computes transformers' logits: the independent check of the
-    converter that transformers' GGUF loader cannot be for them. Phi-3 is left out: llama.cpp's phi3
-    vocabulary loader looks up Phi-3's own special tokens, which the tiny tokenizer does not have."""
+    converter that transformers' GGUF loader cannot be for them. Phi-3 is left out: when a file's
+    general.name says "phi3", llama.cpp's vocabulary loader adjusts Phi-3's own special tokens
+    (`</s>`, ...), which the tiny tokenizer does not have, and fails to load."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install-peers.sh)")
     ids = _prompt_ids()[0].tolist()
     with torch.no_grad():

@@ -311,10 +311,10 @@ def test_layer_kernels_equal_the_torch_backend_with_options(dtype, window, softc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("generic", [False, True])
-def test_fused_rotary_decode_with_qk_norms_equals_the_torch_ops(dtype, generic):
-    """q/k RMSNorms per head inside decode_rotary (Qwen3, Gemma 3) == RMSNorm, apply_rotary, the cache
-    write and the decode kernel, to float32 rounding (the norm's sums run in another order): the
-    output and the cache."""
+def test_fused_rotary_decode_with_qk_norms_equals_the_unfused_ops(dtype, generic):
+    """q/k RMSNorms per head inside decode_rotary (Qwen3, Gemma 3) == the RMSNorm layers (their C path,
+    the same norm.h function), apply_rotary, the cache write and the decode kernel: the same bits in the
+    output and the cache; and the norms are applied (without them the output differs)."""
     from tokenmill.layers.norm import RMSNorm
     from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -342,9 +342,8 @@ def test_fused_rotary_decode_with_qk_norms_equals_the_torch_ops(dtype, generic):
     got = kernels.paged_decode_rotary(qkv, rope[0].view(len(lens), -1), rope[1].view(len(lens), -1), slots,
                                       fused_cache[0], fused_cache[1], tables, seq_lens, heads, head_dim**-0.5,
                                       generic=generic, qk_norm=(norms[0].weight, norms[1].weight, 1e-6))
-    ulp = 2e-6 if dtype == torch.float32 else 8e-3   # a bf16 cache rounds the new K once more or less
-    torch.testing.assert_close(fused_cache.float(), unfused_cache.float(), atol=ulp, rtol=ulp)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused_cache, unfused_cache)
+    assert torch.equal(got, expected)
     unnormed = kernels.paged_decode_rotary(qkv, rope[0].view(len(lens), -1), rope[1].view(len(lens), -1), slots,
                                            cache.clone()[0], cache.clone()[1], tables, seq_lens, heads,
                                            head_dim**-0.5, generic=generic)
@@ -373,10 +372,14 @@ def test_decode_stack_takes_qk_norms(tiny_gguf_model, kv_cache_dtype):
 
 @pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
                          [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16"),
-                          ("qwen2", "Q5_0", "auto")])  # qwen2: q/k/v biases
+                          ("qwen2", "Q5_0", "auto"),  # qwen2: q/k/v biases
+                          # Gemma: GeGLU, sandwich norms, softcap, sliding layers (Gemma 3: q/k norms, local rope)
+                          ("gemma2", "Q8_0", "auto"), ("gemma2", "Q4_1", "auto"), ("gemma3", "Q8_0", "auto"),
+                          ("gemma3", "Q4_1", "auto")])
 def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cache_dtype):
     """kernels.decode_stack (every layer of a decode step in one C call) makes the same kernel calls as
-    the per-layer Python loop: the same logprobs, bit for bit, over a generation with several requests."""
+    the per-layer Python loop (every RMSNorm, the sandwich norms too, the one C function of norm.h): the
+    same logprobs, bit for bit, over a generation with several requests."""
     path = str(tiny_gguf_model(kind, ftype))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
@@ -470,6 +473,55 @@ def test_portable_build_fuses_gelu_tanh(monkeypatch):
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+NORM_WIDTHS = [1, 7, 16, 32, 40, 64, 100, 576, 2048]   # shorter than, equal to and past a vector, with tails
+
+
+@pytest.mark.parametrize("n", NORM_WIDTHS)
+def test_rms_norm_equals_the_torch_reference(n):
+    """kernels.rms_norm (norm.h, the one C RMSNorm): its AVX-512 sum == its portable sum bit for bit;
+    both within float32 rounding of a float64 evaluation and of RMSNorm's PyTorch reference; the RMSNorm
+    layer runs it for float32 CPU inputs (views too) and its reference for backend "torch" and other
+    dtypes."""
+    from tokenmill.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 9, n, generator=g) * torch.logspace(-3, 3, 9)[:, None]   # rows of very different scales
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data = torch.rand(n, generator=g) + 0.5
+    got = kernels.rms_norm(x, norm.weight, norm.eps)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert torch.equal(kernels.rms_norm(x, norm.weight, norm.eps, generic=True), got)
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    scale = exact.abs().amax(-1, keepdim=True)
+    assert ((got.double() - exact).abs() / scale).max() < 4e-7
+    reference = norm.forward_native(x)
+    assert ((got - reference).abs() / scale).max() < 8e-7
+    assert torch.equal(norm(x), got)
+    view = torch.cat([x, x], dim=-1)[..., n:]   # not contiguous
+    assert torch.equal(norm(view), got)
+    set_backend(norm, "torch")
+    assert torch.equal(norm(x), reference)
+    set_backend(norm, "auto")
+    assert torch.equal(norm(x.bfloat16()), norm.forward_native(x.bfloat16()))
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_fused_norm_of_the_quantized_matmul_is_rms_norm(generic):
+    """The RMSNorm fused into quant_matmul's input pass (a quantized Linear's norm) == kernels.rms_norm,
+    then the matmul: the same bits, so the layer loop (fused norms) and the norms run alone agree."""
+    from tokenmill.layers.quant import QuantWeight, quantize
+
+    g = torch.Generator().manual_seed(5)
+    weight = QuantWeight(quantize(torch.randn(48, 96, generator=g), 8), torch.float32)
+    x = torch.randn(11, 96, generator=g) * 5
+    w = torch.rand(96, generator=g) + 0.5
+
+    def run(x, norm):
+        return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 48, 8, norm=norm, generic=generic)
+
+    assert torch.equal(run(x, (w, 1e-5)), run(kernels.rms_norm(x, w, 1e-5), None))
+
+
 def decode_step_both_ways(path: str) -> tuple[torch.Tensor, torch.Tensor, list]:
     """One decode step of three requests (after their prefill) from the same KV cache, through the C
     decode stack and through the layer loop: the two final hidden states and the stack's layer plans."""
@@ -499,15 +551,13 @@ def decode_step_both_ways(path: str) -> tuple[torch.Tensor, torch.Tensor, list]:
 def test_gemma_stacks_take_the_c_path(tiny_gguf_model, ftype, kind, local):
     """Gemma 2 (GeGLU, sandwich norms, a sliding and a global layer, attention softcap) and Gemma 3 (q/k
     norms too, five local-rope sliding layers then a global one) plan every layer, and a decode step
-    through the C stack equals the layer loop's to float32 rounding: the sandwich norms sum their
-    squares in another order there, and a last-bit difference can move an activation by one step of
-    the next matmul's int8 planes (an option the stack dropped would be off by far more)."""
+    through the C stack equals the layer loop's bit for bit (both run norm.h's RMSNorm)."""
     stack, loop, plans = decode_step_both_ways(str(tiny_gguf_model(kind, ftype)))
     assert [p.rope_local for p in plans] == local
     assert all(p.attn_out_norm and p.mlp_out_norm and p.mlp.activation == 2 for p in plans)
     assert plans[0].attn.sliding_window == 8 and plans[-1].attn.sliding_window == 0
     assert all(bool(p.attn.q_norm) == (kind == "gemma3") for p in plans)
-    assert (stack - loop).abs().max() <= 1e-3 * loop.abs().max()
+    assert torch.equal(stack, loop)
 
 
 @pytest.mark.parametrize("kind", ["phi3", "qwen3"])
@@ -588,16 +638,20 @@ def test_auto_dtype_is_float32_when_weights_run_quantized(monkeypatch, tiny_hf_m
 
 def test_portable_build_without_avx512(monkeypatch):
     """The kernels compiled for a baseline x86-64 CPU (no AVX-512, no VNNI: the portable C paths)
-    give the quantized matmul's exact sums and the same attention as this machine's build."""
+    give the quantized matmul's exact sums, the same RMSNorm bits and the same attention as this
+    machine's build."""
     from tokenmill.layers.quant import QuantWeight, quantize
 
     weight = QuantWeight(quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(1)), 4), torch.float32)
     x = torch.randn(5, 96)
     q, cache, tables, seq_lens = random_paged_batch([3, 40, 17], 6, 2, 64, 16, torch.float32, seed=8)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
+    rows, norm_weight = torch.randn(6, 100) * 7, torch.rand(100) + 0.5
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 40, 4),
-                kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125))
+                kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125),
+                kernels.rms_norm(rows, norm_weight, 1e-5))
 
     native = run()
     if kernels.load().quant_matmul_has_simd():
@@ -612,3 +666,4 @@ def test_portable_build_without_avx512(monkeypatch):
         _clear_kernel_caches()
     assert torch.equal(portable[0], native[0])
     torch.testing.assert_close(portable[1], native[1], atol=2e-6, rtol=1e-5)
+    assert torch.equal(portable[2], native[2])

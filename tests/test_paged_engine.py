@@ -21,7 +21,7 @@ import pytest
 import torch
 from engine_helpers import greedy, make_engine
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, kernels
 from tokenmill.layers.attention import Attention, AttentionMetadata
 
 
@@ -474,13 +474,18 @@ def test_late_high_priority_request_runs_before_earlier_low_priority_ones(llama_
 NEAR_TIE = 1e-4
 
 
-def _greedy_with_margins(engine, prompts: list[list[int]], max_tokens: int):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+def _run_greedy(engine, prompts: list[list[int]], max_tokens: int, logprobs: int) -> list:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     assert_no_leak(engine)
-    return [(r.output_token_ids, [top[0][1] - top[1][1] for _, top in r.logprobs]) for r in requests]
+    return requests
+
+
+def _greedy_with_margins(engine, prompts: list[list[int]], max_tokens: int):
+    return [(r.output_token_ids, [top[0][1] - top[1][1] for _, top in r.logprobs])
+            for r in _run_greedy(engine, prompts, max_tokens, 2)]
 
 
 def assert_batch_independent(engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -516,6 +521,30 @@ def test_greedy_output_does_not_depend_on_the_batch_default_model(default_gguf_p
     assert len(prompts[-1]) > 100 > max(map(len, prompts[:-1]))
     assert llm.engine.config.quantization is None
     assert_batch_independent(llm.engine, prompts, 8)
+
+
+def _greedy_with_logprobs(engine, prompts: list[list[int]], max_tokens: int):
+    return [(r.output_token_ids, r.logprobs) for r in _run_greedy(engine, prompts, max_tokens, 3)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind):
+    """On the quantized CPU path a row's output does not depend on the other rows, bit for bit: each
+    request's greedy tokens and logprobs alone == packed with the others. Alone, its decodes run in
+    decode-only steps (the C decode stack); packed, many share a step with another request's prefill
+    chunk (the layer loop, whose decode rows take the same C kernels). That holds only if every op of a
+    row takes the same C code on both paths; the q/k norms (Qwen3, Gemma 3) and the sandwich norms
+    (Gemma 2/3) once ran in C in the stack and the fused rotary decode but in PyTorch in mixed steps.
+    Prefix caching is off: a prompt whose first blocks come from the cache computes its last row alone,
+    with the decode kernel rather than the prefill kernel (another summation order)."""
+    engine = make_engine(tiny_gguf_model(kind, "Q8_0"), block_size=4, max_num_batched_tokens=16,
+                         enable_prefix_caching=False)
+    prompts = _prompts(engine.model_config.vocab_size, [1, 5, 12, 19, 8, 3, 16], seed=13)
+    alone = [_greedy_with_logprobs(engine, [p], 12)[0] for p in prompts]
+    assert isinstance(engine.model.model._plan, kernels.StackPlan)   # the quantized C path, stack included
+    together = _greedy_with_logprobs(engine, prompts, 12)
+    for i, (solo, batched) in enumerate(zip(alone, together, strict=True)):
+        assert solo == batched, f"prompt {i}: tokens or logprobs differ between the solo and the batched run"
 
 
 def test_float_rounding_can_flip_only_a_near_tie(llama_path):

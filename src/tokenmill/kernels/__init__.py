@@ -7,9 +7,10 @@
   row dequantization of the same layout (layers/quant.py packs the weights).
 - kernels.c: decode_stack, a decoder stack's decode step as one call, run from per-layer plan
   structs declared in kernels.h (mirrored here with ctypes).
+- norm.c: rms_norm, the RMSNorm of norm.h that every kernel above uses too (layers/norm.py runs it).
 
 Each .c file is its own translation unit compiled against kernels.h (every exported function and
-plan struct) and the helper headers simd.h / attention.h; all of them link into one library.
+plan struct) and the helper headers simd.h / norm.h / attention.h; all of them link into one library.
 
 The C sources ship with the package; they are compiled once per machine with the system's C compiler
 (`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
@@ -124,6 +125,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_stack.restype = i32
     lib.plan_struct_size.argtypes = [i32]
     lib.plan_struct_size.restype = i64
+    lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr, i32, i32]
+    lib.rms_norm.restype = None
 
 
 def load() -> ctypes.CDLL | None:
@@ -181,8 +184,8 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     projection's output), cos/sin [B, head_dim] (RotaryEmbedding's full-width tables at each row's
     position), slots [B]: optionally RMSNorms each q and k head (`qk_norm` = (q weight, k weight, eps),
     weights [head_dim]), rotates q and k, writes k and v to their cache slots, attends (options as in
-    paged_decode); returns fp32 [B, heads * head_dim]. Without qk_norm, the same bits as the unfused
-    ops; with it, the same to float32 rounding. Caller checks supports_paged_decode."""
+    paged_decode); returns fp32 [B, heads * head_dim]: the same bits as the unfused ops (rms_norm,
+    apply_rotary, the cache write, paged_decode). Caller checks supports_paged_decode."""
     lib = load()
     _, block_size, kv_heads, head_dim = k_cache.shape
     assert head_dim <= MAX_ROTARY_HEAD_DIM and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -222,6 +225,25 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if status == 1:
         raise MemoryError("paged prefill attention: out of memory")
     return None if status < 0 else out
+
+
+# ---------------------------------------------------------------------------------- RMSNorm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, generic: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dimension of float32 CPU x: x * r * weight, r = 1 / sqrt(mean(x^2) + eps),
+    each row's squares summed in one fixed order (norm.h: the same bits as the norms fused into
+    quant_matmul, paged_decode_rotary and decode_stack) -> a new tensor of x's shape. `generic` runs the
+    portable C sum (the tests' reference: the same bits)."""
+    assert x.dtype == torch.float32 and x.device.type == "cpu"
+    x = x.contiguous()
+    weight = weight.float().contiguous()
+    n = x.shape[-1]
+    assert weight.shape == (n,)
+    out = torch.empty_like(x)
+    load().rms_norm(x.data_ptr(), x.numel() // n if n else 0, n, weight.data_ptr(), eps, out.data_ptr(),
+                    int(generic), torch.get_num_threads())
+    return out
 
 
 # ---------------------------------------------------------------------------------- quantized matmul

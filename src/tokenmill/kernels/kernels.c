@@ -1,9 +1,9 @@
 /* decode_stack: a decoder stack's decode step in one call, from the per-layer plans declared in
  * kernels.h, calling the exported kernels of the other units layer by layer. */
-#include <math.h>
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "norm.h"
 
 int64_t plan_struct_size(int which) {
     switch (which) {
@@ -21,16 +21,12 @@ static int matmul(const tm_quant_weight *w, const float *x, int64_t batch, int g
                         gated, norm, eps, residual, y, 0, num_threads);
 }
 
-/* x [batch, n] += w y / sqrt(mean(y^2) + eps), row by row: a sandwich norm on a block's output y,
- * then the residual add (the layer loop's RMSNorm sums in PyTorch's order, so the two agree to
- * float32 rounding, not bit for bit). */
-static void add_rmsnorm(float *x, const float *y, const float *w, float eps, int64_t batch, int64_t n) {
+/* x [batch, n] += rmsnorm(y) row by row (norm.h: the same bits as the layer loop's RMSNorm, then its
+ * residual add); y is normed in place. */
+static void add_rmsnorm(float *x, float *y, const float *w, float eps, int64_t batch, int64_t n) {
     for (int64_t b = 0; b < batch; b++) {
-        const float *yb = y + b * n;
-        float squares = 0.0f;
-        for (int64_t i = 0; i < n; i++) squares += yb[i] * yb[i];
-        const float r = 1.0f / sqrtf(squares / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) x[b * n + i] += w[i] * (yb[i] * r);
+        rms_norm_row(y + b * n, n, w, eps, y + b * n, 0);
+        for (int64_t i = 0; i < n; i++) x[b * n + i] += y[b * n + i];
     }
 }
 
@@ -52,9 +48,9 @@ static int valid_plan(const tm_layer_plan *layer, const float *cos_local) {
 /* x [batch, hidden] fp32, updated in place: for each layer,
  *   x = x + out_norm(o_proj(attention(rotary(qk_norm(qkv_proj(rmsnorm(x)) + bias)))))   (K/V to the cache)
  *   x = x + out_norm(down_proj(act(gate) * up)), [gate | up] = gate_up_proj(rmsnorm(x))
- * the same kernel calls, in the same order, as the blocks' PyTorch path (layers/), so the same
- * bits (out_norm, the sandwich norm where a layer has one: see add_rmsnorm). Layers may differ in
- * shape: the scratch buffers are sized for the widest. */
+ * the same kernel calls, in the same order, as the blocks' path in the layer loop (layers/), so the
+ * same bits (out_norm: the sandwich norm where a layer has one). Layers may differ in shape: the
+ * scratch buffers are sized for the widest. */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                  const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int num_threads) {

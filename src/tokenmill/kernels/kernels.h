@@ -5,7 +5,9 @@
  *   paged_prefill.c  paged_prefill_*
  *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
  *   kernels.c        decode_stack, plan_struct_size
- * Their shared inline helpers live in simd.h (vector math) and attention.h (K/V access, softmax). */
+ *   norm.c           rms_norm
+ * Their shared inline helpers live in simd.h (vector math, fixed-order sums), norm.h (RMSNorm) and
+ * attention.h (K/V access, softmax). */
 #ifndef TOKENMILL_KERNELS_H
 #define TOKENMILL_KERNELS_H
 
@@ -84,6 +86,11 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
 int quant_matmul_has_simd(void);
 void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
                 const int64_t *ids, int64_t count, float *out);
+
+/* RMSNorm of each row of x [rows, n] with weight w [n] into out (norm.h; out may be x): the one RMSNorm
+ * of every kernel here. generic: force the portable sum (the same bits). */
+void rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out, int generic,
+              int num_threads);
 
 /* Decode attention, one query row per request (paged_decode.c): q/out [batch, heads, head_dim] fp32,
  * k/v [num_blocks, block_size, kv_heads, head_dim] (the _f32 / _bf16 cache dtype), block_tables

@@ -23,6 +23,7 @@
 
 #include "kernels.h"
 #include "attention.h"
+#include "norm.h"
 
 /* One decode step of one layer: what every entry point below passes on. */
 typedef struct {
@@ -294,8 +295,7 @@ int paged_decode_bf16(const float *q, const void *k, const void *v, const int64_
  * [batch]: each request's new K/V are rotated (K) and written to its slot, then it attends. The
  * same bits as rotating in PyTorch, writing with index_copy_ and calling paged_decode_*.
  * q_norm / k_norm (or NULL): RMSNorm weights [head_dim] applied to each q / k head before the
- * rotation (Qwen3, Gemma 3); their sums run in another order than PyTorch's, so with them the
- * result is PyTorch's to float32 rounding. */
+ * rotation (Qwen3, Gemma 3), norm.h's RMSNorm: the same bits as layers/norm.py's C path. */
 
 static void rotate(const float *x, const float *cos, const float *sin, int64_t d, float *out) {
     const int64_t half = d / 2;
@@ -305,19 +305,11 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t d
     }
 }
 
-/* The head x [d] through an RMSNorm with weight w: w (x / sqrt(mean(x^2) + eps)), in out. */
-static void head_rmsnorm(const float *x, const float *w, float eps, int64_t d, float *out) {
-    float squares = 0.0f;
-    for (int64_t i = 0; i < d; i++) squares += x[i] * x[i];
-    const float r = 1.0f / sqrtf(squares / (float)d + eps);
-    for (int64_t i = 0; i < d; i++) out[i] = w[i] * (x[i] * r);
-}
-
 /* Head x [d] normed (when w is not NULL; scratch: d floats) and rotated into out. */
 static void norm_rotate(const float *x, const float *w, float eps, const float *cos, const float *sin, int64_t d,
-                        float *scratch, float *out) {
+                        float *scratch, float *out, int generic) {
     if (w != NULL) {
-        head_rmsnorm(x, w, eps, d, scratch);
+        rms_norm_row(x, d, w, eps, scratch, generic);
         x = scratch;
     }
     rotate(x, cos, sin, d, out);
@@ -344,10 +336,11 @@ static int decode_rotary(const float *qkv, const float *cos, const float *sin, c
         const float *row = qkv + b * width, *c = cos + b * head_dim, *s = sin + b * head_dim;
         float rotated[512], scratch[512];
         for (int64_t h = 0; h < heads; h++)
-            norm_rotate(row + h * head_dim, q_norm, norm_eps, c, s, head_dim, scratch, q + (b * heads + h) * head_dim);
+            norm_rotate(row + h * head_dim, q_norm, norm_eps, c, s, head_dim, scratch, q + (b * heads + h) * head_dim,
+                        generic);
         for (int64_t kh = 0; kh < kv_heads; kh++) {
             const int64_t dst = (slots[b] * kv_heads + kh) * head_dim;
-            norm_rotate(row + (heads + kh) * head_dim, k_norm, norm_eps, c, s, head_dim, scratch, rotated);
+            norm_rotate(row + (heads + kh) * head_dim, k_norm, norm_eps, c, s, head_dim, scratch, rotated, generic);
             store_row(k, dst, rotated, head_dim, kv_bf16);
             store_row(v, dst, row + (heads + kv_heads + kh) * head_dim, head_dim, kv_bf16);
         }

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "norm.h"
 #include "simd.h"
 
 #define TILE 16
@@ -48,28 +49,6 @@ static inline float f16_to_f32(uint16_t h) {
  * x ~ dx (254 hi + lo): hi = round(x / (254 dx)) is the usual int8 rounding (|hi| <= 127) and lo
  * rounds the remainder (|lo| <= 127), so each activation is within dx / 2 of its value: 2^-8 of
  * the plain int8 error, for twice the dot products. */
-
-/* Float sums in one fixed order in every build (so the SIMD and portable builds agree bit for bit):
- * 16 lanes, lane j summing elements j, j + 16, j + 32, ... in turn; then lanes j and j + w for
- * w = 8, 4, 2, 1. n is a multiple of 16. */
-static float sum16(const float *x, int64_t n, int squares) {
-    float s[16];
-    for (int j = 0; j < 16; j++) s[j] = squares ? x[j] * x[j] : x[j];
-    for (int64_t i = 16; i < n; i += 16)
-        for (int j = 0; j < 16; j++) s[j] += squares ? x[i + j] * x[i + j] : x[i + j];
-    for (int w = 8; w >= 1; w /= 2)
-        for (int j = 0; j < w; j++) s[j] += s[j + w];
-    return s[0];
-}
-
-#ifdef HAVE_AVX512
-static inline float sum16_512(__m512 v) {  /* sum16's lane tree on a vector of its 16 lanes */
-    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(c) + _mm_cvtss_f32(_mm_shuffle_ps(c, c, 1));
-}
-#endif
 
 /* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
  * clamped to +-127; dx = fine, bx = the group's float sum (sum16's order). */
@@ -116,7 +95,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
 /* ---- the fused input ops: a row of the layer's input before it is quantized ----
  * gated (TM_GATE_*): the row is a fused [gate | up] projection of 2k values -> act(gate) * up, act
  * SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU; PyTorch's gelu(approximate="tanh"));
- * norm_w: RMSNorm with weight norm_w -> x / sqrt(mean(x^2) + eps) * norm_w (float32 throughout). */
+ * norm_w: RMSNorm with weight norm_w (norm.h: the same bits as the standalone rms_norm). */
 
 /* gelu_tanh(x) = x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
 #define GELU_BETA 0.7978845608028654f
@@ -149,15 +128,14 @@ static void gate_row(const float *x, int64_t k, int gated, float *out) {
 }
 
 static const float *prepare_row(const float *x, int64_t k, int gated, const float *norm_w, float eps,
-                                float *tmp) {
+                                float *tmp, int generic) {
     const float *src = x;
     if (gated) {
         gate_row(x, k, gated, tmp);
         src = tmp;
     }
     if (norm_w != NULL) {
-        const float r = 1.0f / sqrtf(sum16(src, k, 1) / (float)k + eps);
-        for (int64_t i = 0; i < k; i++) tmp[i] = src[i] * r * norm_w[i];
+        rms_norm_row(src, k, norm_w, eps, tmp, generic);
         src = tmp;
     }
     return src;
@@ -306,7 +284,6 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                  const float *residual, float *y, int generic, int num_threads) {
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
     const int fused = gated || norm_w != NULL;
-    (void)generic;  /* only the SIMD build has another path */
     int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
     float *dx = malloc(sizeof(float) * (size_t)(mrows * groups));
     float *bx = malloc(sizeof(float) * (size_t)(mrows * groups));
@@ -321,7 +298,7 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
         const tile_job job = {w, d, m, bits, groups, k, n, q, dx, bx, residual, y};
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < mrows; i++) {
-            const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0));
+            const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0), generic);
             quantize_row(row, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups);
         }
         /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of

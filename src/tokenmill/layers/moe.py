@@ -82,6 +82,10 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, activation)
             self.shared_expert_gate = Linear(hidden_size, 1, keep_dense=True)
 
+    def plan(self, norm: RMSNorm) -> None:
+        """No C plan yet: a layer with this MLP keeps the decode stack off (layers/decoder.py)."""
+        return None
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choices for x [T, hidden] (already normalized): (weights [T, k], experts
         [T, k] int64), each row's experts in decreasing order of weight."""

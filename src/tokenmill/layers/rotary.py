@@ -115,7 +115,7 @@ def _llama3_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling) -> tor
     return torch.where(is_medium, blended, out)
 
 
-_LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 
 class RotaryEmbedding(nn.Module):
@@ -153,14 +153,14 @@ class RotaryEmbedding(nn.Module):
         """GGUF `rope_factors_long.weight` / `rope_factors_short.weight` ([head_dim / 2] each, in
         either order): LongRoPE's per-frequency divisors. The tables are built once both are in
         (`max_positions` picks one set)."""
-        key = _LONGROPE_TENSORS.get(name)
+        key = LONGROPE_TENSORS.get(name)
         if key is None:
-            raise CheckpointError(f"{name!r} is not a longrope factor tensor ({', '.join(_LONGROPE_TENSORS)})")
+            raise CheckpointError(f"{name!r} is not a longrope factor tensor ({', '.join(LONGROPE_TENSORS)})")
         if self.scaling is None or self.scaling.rope_type != "longrope":
             raise CheckpointError(f"{name} needs longrope rope scaling "
                                   f"(this model's: {self.scaling.rope_type if self.scaling else 'none'})")
         self._longrope_factors[key] = tuple(factors.float().flatten().tolist())
-        if len(self._longrope_factors) < len(_LONGROPE_TENSORS):
+        if len(self._longrope_factors) < len(LONGROPE_TENSORS):
             return
         self.scaling = replace(self.scaling, **self._longrope_factors)
         device = self.inv_freq.device  # the model's: load_model calls this outside its device context

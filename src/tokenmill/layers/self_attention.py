@@ -35,7 +35,8 @@ class RotaryAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + attention(norm(x)); the norm and the residual add run inside the projections."""
         qkv = self.qkv_proj(x, norm=norm)
-        if self.attn.fuses_rotary_decode(meta):  # q/k norms, rotary, cache write, attention: one C call
+        # q/k norms, rotary, cache write and attention in one C call
+        if self.attn.fuses_rotary_decode(meta) and self._qk_norms_fuse():
             return self.o_proj(self.attn.decode_rotary(qkv, rope, meta, self._qk_norm()), residual=residual)
         qkv = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -45,6 +46,10 @@ class RotaryAttention(nn.Module):
         qk = apply_rotary(qk, *rope)  # q and k heads rotated in one call
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta), residual=residual)
+
+    def _qk_norms_fuse(self) -> bool:
+        """The q/k norms (if any) may run inside the C kernels: not pinned to their reference."""
+        return self.q_norm is None or (self.q_norm.backend == "auto" and self.k_norm.backend == "auto")
 
     def _qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """The q/k norms as the C kernel takes them: (q weight, k weight, eps), float32."""
@@ -58,8 +63,7 @@ class RotaryAttention(nn.Module):
         on o_proj, options the attention kernels lack."""
         qkv, o, cache = self.qkv_proj.kernel_weight(), self.o_proj.kernel_weight(), self.attn.kv_cache
         if (qkv is None or o is None or self.o_proj.bias is not None or not self.attn.uses_kernels()
-                or self.head_dim > kernels.MAX_ROTARY_HEAD_DIM
-                or (self.q_norm is not None and self.q_norm.eps != self.k_norm.eps)):
+                or self.head_dim > kernels.MAX_ROTARY_HEAD_DIM or not self._qk_norms_fuse()):
             return None
         norm_weight = norm.weight.float().contiguous()
         qk_norm = self._qk_norm()

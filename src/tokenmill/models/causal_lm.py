@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig
-from tokenmill.errors import CheckpointError
+from tokenmill.errors import CheckpointError, UnsupportedModelError
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.decoder import DecoderModel
 from tokenmill.layers.linear import Linear
@@ -31,6 +31,12 @@ Tensor = torch.Tensor | GGUFBlocks | list[torch.Tensor | GGUFBlocks]  # a list: 
 
 # The Llama naming of a layer's two norms, which most families share.
 LLAMA_NORMS = [(r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".mlp_norm.")]
+
+
+def require_silu(cfg: ConfigFields) -> None:
+    """The gated MLP of the Llama-style families: SiLU only (Gemma's GELU-tanh is read by its file)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{cfg.source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
 
 
 def gguf_tensor_names(ckpt: GGUFCheckpoint) -> set[str]:

@@ -53,7 +53,9 @@ def _layer_types(pattern: int, num_layers: int) -> tuple[str, ...]:
 # What Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration: the 4B and larger) leave out
 # of their text_config, relying on transformers' Gemma3TextConfig defaults.
 _GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262208, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
     "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh",
 }
@@ -75,7 +77,9 @@ class GemmaForCausalLM(DecoderForCausalLM):
     @staticmethod
     def config_from_hf(cfg: ConfigFields) -> ModelConfig:
         if cfg.get("architectures", [""])[0] == "Gemma3ForConditionalGeneration":
-            text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+            # transformers' multimodal model applies no final logit softcap, whatever text_config says
+            text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"],
+                    "final_logit_softcapping": None}
             cfg = ConfigFields(text, f"{cfg.source} (text_config)")
         arch = "gemma3" if cfg.get("architectures", [""])[0].startswith("Gemma3") else "gemma2"
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh")
@@ -110,7 +114,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
             final_logit_softcap=cfg.float("final_logit_softcapping", None),
             sliding_window=sliding_window(cfg, "sliding_window"),
             layer_types=(tuple("sliding" if t == "sliding_attention" else "full" for t in types) if types
-                         else _layer_types(_SLIDING_PATTERN[arch], layers)),
+                         else _layer_types(cfg.int("sliding_window_pattern", _SLIDING_PATTERN[arch]), layers)),
             rope_local_theta=local_theta if arch == "gemma3" else None,
             embed_scale=math.sqrt(hidden), sandwich_norms=True,
         )

@@ -14,7 +14,7 @@ import torch
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig, rope_scaling_from_gguf, rope_scaling_from_hf
 from tokenmill.errors import UnsupportedModelError
-from tokenmill.models.causal_lm import DecoderForCausalLM, Tensor, gguf_tensor_names, sliding_window
+from tokenmill.models.causal_lm import DecoderForCausalLM, Tensor, gguf_tensor_names, require_silu, sliding_window
 from tokenmill.models.gguf_names import gguf_name_table
 
 _HF_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -58,15 +58,19 @@ class LlamaForCausalLM(DecoderForCausalLM):
     @staticmethod
     def config_from_hf(cfg: ConfigFields) -> ModelConfig:
         family = _HF_FAMILY[(cfg.get("architectures") or ["LlamaForCausalLM"])[0]]
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{cfg.source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
+        require_silu(cfg)
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(f"{cfg.source}: mlp_bias=true is not supported")
         theta, scaling = rope_scaling_from_hf(cfg)
         hidden, heads = cfg.int("hidden_size"), cfg.int("num_attention_heads")
-        # Mistral slides every layer; Qwen2/3 with use_sliding_window the layers its layer_types say
+        # Mistral slides every layer; Qwen2/3 with use_sliding_window the layers its layer_types say,
+        # else (older configs) those from max_window_layers on, as transformers reads them
         window = sliding_window(cfg, "sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
-        types = cfg.get("layer_types") if window else None
+        types = None
+        if window and family != "mistral":
+            first = cfg.int("max_window_layers", 28)
+            types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                               for i in range(cfg.int("num_hidden_layers"))]
         return ModelConfig(
             architecture=family,
             vocab_size=cfg.int("vocab_size"),

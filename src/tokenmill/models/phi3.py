@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, split_rows
 from tokenmill.config import ConfigFields, ModelConfig, rope_scaling_from_gguf, rope_scaling_from_hf
-from tokenmill.errors import UnsupportedModelError
-from tokenmill.models.causal_lm import DecoderForCausalLM, Tensor, gguf_tensor_names, sliding_window
+from tokenmill.layers.rotary import LONGROPE_TENSORS
+from tokenmill.models.causal_lm import DecoderForCausalLM, Tensor, gguf_tensor_names, require_silu, sliding_window
 from tokenmill.models.gguf_names import gguf_name_table
 
 _GGUF_PATTERNS = gguf_name_table({
@@ -30,11 +30,7 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
     @staticmethod
     def config_from_hf(cfg: ConfigFields) -> ModelConfig:
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{cfg.source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
-        rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if rotary != 1.0:
-            raise UnsupportedModelError(f"{cfg.source}: partial_rotary_factor {rotary} is not supported (1.0)")
+        require_silu(cfg)
         theta, scaling = rope_scaling_from_hf(cfg)
         hidden, heads = cfg.int("hidden_size"), cfg.int("num_attention_heads")
         return ModelConfig(
@@ -75,7 +71,7 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         elif name.endswith("mlp.gate_up_proj.weight"):
             gate, up = split_rows(tensor, [cfg.intermediate_size, cfg.intermediate_size])
             yield from ((f"{prefix}.gate_proj.weight", gate), (f"{prefix}.up_proj.weight", up))
-        elif name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        elif name in LONGROPE_TENSORS:
             self.model.rotary.set_longrope_factors(name, tensor)
         else:
             yield name, tensor

@@ -242,3 +242,37 @@ def test_pinning_ops_to_their_reference_after_a_step_turns_the_stack_off(tiny_gg
     set_backend(model, "torch", RMSNorm)
     llm.generate([[5, 6, 8]], params, use_tqdm=False)
     assert model._plan is False
+
+
+def test_gemma_norm_in_bfloat16_is_gemmas():
+    """Gemma's RMSNorm multiplies by 1 + w in float32 and casts after: its weight is held in float32
+    in a bfloat16 model (held in bf16, 1 + w would lose w's low bits), giving transformers' bits."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from tokenmill.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    reference = Gemma2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(64, generator=g) * 0.3)
+    ours = RMSNorm(64, 1e-6, float32_weight=True)
+    with torch.no_grad():
+        ours.weight.copy_(reference.weight.float() + 1)   # as the loader stores Gemma's weights
+    x = (torch.randn(5, 64, generator=g) * 4).to(torch.bfloat16)
+    assert ours.weight.dtype == torch.float32
+    assert torch.equal(ours(x), reference(x))
+    held_in_bf16 = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        held_in_bf16.weight.data = (reference.weight.float() + 1).to(torch.bfloat16)
+    assert not torch.equal(held_in_bf16(x), reference(x))
+
+
+def test_gemma_bfloat16_model_keeps_float32_norms(tiny_hf_model):
+    engine = make_engine(tiny_hf_model("gemma2"), dtype="bfloat16")
+    layer = engine.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert {n.weight.dtype for n in (layer.attn_norm, layer.mlp_out_norm, engine.model.model.norm)} == {torch.float32}
+    fp32 = make_engine(tiny_hf_model("gemma2"))
+    ids = _prompts(400)[1]
+    half, full = prefill_logits(engine, ids), prefill_logits(fp32, ids)
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean() > 0.9

@@ -143,6 +143,7 @@ class ModelConfig:
     rope_local_theta: float | None = None        # rope base of the sliding layers, if it differs (Gemma 3)
     embed_scale: float | None = None             # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     sandwich_norms: bool = False                 # RMSNorms on the attention and MLP outputs too (Gemma 2/3)
+    norm_float32_weight: bool = False            # RMSNorm weights held and applied in float32 (Gemma's 1 + w)
     num_experts: int = 0                         # > 0: a mixture-of-experts model (layers/moe.py)
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -29,15 +29,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         slides = cfg.layer_slides(index)
         self.rope = "local" if slides and cfg.rope_local_theta is not None else "global"
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        f32 = cfg.norm_float32_weight
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, f32)
         self.self_attn = RotaryAttention(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
-            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, scale=cfg.attn_scale,
+            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, norm_float32_weight=f32, scale=cfg.attn_scale,
             sliding_window=cfg.sliding_window if slides else None, logit_softcap=cfg.attn_logit_softcap)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, f32)
         self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
-        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, f32) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, f32) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, ropes: dict[str, Rope], meta: AttentionMetadata) -> torch.Tensor:
         rope = ropes[self.rope]
@@ -74,7 +75,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers if layers is not None else
                                     [DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_float32_weight)
         self.embed_scale = cfg.embed_scale
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = None if cfg.rope_local_theta is None else RotaryEmbedding(

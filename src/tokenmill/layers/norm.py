@@ -16,10 +16,15 @@ from tokenmill.layers.op import KernelOp
 
 
 class RMSNorm(KernelOp):
-    def __init__(self, dim: int, eps: float):
+    """`float32_weight`: the weight is held and applied in float32 whatever the model's dtype, the
+    result cast after the multiply (Gemma's norm, whose weight 1 + w would lose w's low bits in bf16)."""
+
+    def __init__(self, dim: int, eps: float, float32_weight: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32 if float32_weight else None),
+                                   requires_grad=False)
         self.eps = eps
+        self.float32_weight = float32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.backend == "auto" and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -28,8 +33,10 @@ class RMSNorm(KernelOp):
         return self.forward_native(x)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # no casts: each op is ~4 us of dispatch on CPU
+        if x.dtype == torch.float32:   # no casts: each op costs a dispatch on CPU
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float32_weight:
+            return (h * self.weight).to(x.dtype)
         return self.weight * h.to(x.dtype)

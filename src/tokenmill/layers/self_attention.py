@@ -19,15 +19,16 @@ class RotaryAttention(nn.Module):
     """`qkv_proj` holds q, k and v as three shards (checkpoint names q_proj, k_proj, v_proj)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = False,
-                 qk_norm_eps: float | None = None, scale: float | None = None, sliding_window: int | None = None,
+                 qk_norm_eps: float | None = None, norm_float32_weight: bool = False, scale: float | None = None,
+                 sliding_window: int | None = None,
                  logit_softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden_size, [q_size, kv_size, kv_size], bias=bias)
         self.o_proj = Linear(q_size, hidden_size)
-        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
-        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, norm_float32_weight)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, norm_float32_weight)
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5 if scale is None else scale,
                               sliding_window, logit_softcap)
 

@@ -116,7 +116,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
             layer_types=(tuple("sliding" if t == "sliding_attention" else "full" for t in types) if types
                          else _layer_types(cfg.int("sliding_window_pattern", _SLIDING_PATTERN[arch]), layers)),
             rope_local_theta=local_theta if arch == "gemma3" else None,
-            embed_scale=math.sqrt(hidden), sandwich_norms=True,
+            embed_scale=math.sqrt(hidden), sandwich_norms=True, norm_float32_weight=True,
         )
 
     @staticmethod
@@ -143,7 +143,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
             sliding_window=sliding_window(cfg, "attention.sliding_window"),
             layer_types=types,
             rope_local_theta=_LOCAL_ROPE_THETA if arch == "gemma3" else None,
-            embed_scale=math.sqrt(hidden), sandwich_norms=True,
+            embed_scale=math.sqrt(hidden), sandwich_norms=True, norm_float32_weight=True,
         )
 
     def convert(self, name: str, tensor: Tensor, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:

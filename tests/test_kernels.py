@@ -350,29 +350,16 @@ def test_fused_rotary_decode_with_qk_norms_equals_the_unfused_ops(dtype, generic
     assert not torch.allclose(unnormed, expected, atol=1e-3)   # the norms matter on these inputs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
-def test_decode_stack_takes_qk_norms(tiny_gguf_model, kv_cache_dtype):
-    """Qwen3 (q/k norms): every layer builds a plan, and the C stack gives the layer loop's logprobs
-    bit for bit (both norm q and k inside the fused rotary kernel)."""
-    path = str(tiny_gguf_model("qwen3", "Q8_0"))
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
-    prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
-    results = {}
-    for use_stack in (True, False):
-        llm = LLM(path, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
-        model = llm.engine.model.model
-        assert all(layer.self_attn.q_norm is not None for layer in model.layers)
-        model.use_decode_stack = use_stack
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[use_stack] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
-                              for o in outputs]
-        assert isinstance(model._plan, kernels.StackPlan) == use_stack
-    assert results[True] == results[False]
+def tokens_and_logprobs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
+    return [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
                          [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16"),
                           ("qwen2", "Q5_0", "auto"),  # qwen2: q/k/v biases
+                          # Qwen3: q/k norms inside the fused rotary kernel
+                          ("qwen3", "Q8_0", "auto"), ("qwen3", "Q8_0", "float32"),
                           # Gemma: GeGLU, sandwich norms, softcap, sliding layers (Gemma 3: q/k norms, local rope)
                           ("gemma2", "Q8_0", "auto"), ("gemma2", "Q4_1", "auto"), ("gemma3", "Q8_0", "auto"),
                           ("gemma3", "Q4_1", "auto")])
@@ -387,10 +374,10 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cac
     for use_stack in (True, False):
         llm = LLM(path, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
         model = llm.engine.model.model
+        if kind in ("qwen3", "gemma3"):
+            assert all(layer.self_attn.q_norm is not None for layer in model.layers)
         model.use_decode_stack = use_stack
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[use_stack] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
-                              for o in outputs]
+        results[use_stack] = tokens_and_logprobs(llm, prompts, params)
         assert isinstance(model._plan, kernels.StackPlan) == use_stack
         if use_stack:
             assert len(model._plan.layers) == len(model.layers)
@@ -414,9 +401,7 @@ def test_decode_stack_equals_the_layer_loop_with_options(tiny_gguf_model, window
         if options:
             for layer in model.layers:
                 layer.self_attn.attn.sliding_window, layer.self_attn.attn.logit_softcap = window, softcap
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[use_stack, options] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
-                                       for o in outputs]
+        results[use_stack, options] = tokens_and_logprobs(llm, prompts, params)
         assert isinstance(model._plan, kernels.StackPlan) == use_stack
         if use_stack and options:
             assert [(p.attn.sliding_window, p.attn.logit_softcap) for p in model._plan.layers] == \

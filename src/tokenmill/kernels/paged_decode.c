@@ -70,6 +70,12 @@ static inline int64_t slot_end(const decode_task *t, int64_t blk) {
     return s < t->block_size ? s : t->block_size;
 }
 
+/* Where the task's kv head's vector of cache slot `slot` starts in a K or V cache (in elements);
+ * head_dim is an argument so that the AVX-512 tasks pass their compile-time constant. */
+static ALWAYS_INLINE int64_t kv_offset(const decode_task *t, int64_t slot, int64_t head_dim) {
+    return (slot * t->kv_heads + t->kh) * head_dim;
+}
+
 /* ---- portable C ---- */
 
 static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_task *task, float *scores) {
@@ -78,7 +84,7 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_ta
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
         const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = ((base + s) * t.kv_heads + t.kh) * head_dim;
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
             for (int64_t g = 0; g < t.group; g++) {
                 const float *qg = t.q + g * head_dim;
                 float acc = 0.0f;
@@ -100,7 +106,7 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_ta
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
         const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = ((base + s) * t.kv_heads + t.kh) * head_dim;
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
             for (int64_t g = 0; g < t.group; g++) {
                 const float p = scores[g * n + i];
                 float *og = t.out + g * head_dim;
@@ -125,7 +131,7 @@ static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t
     const char *block = (const char *)cache + t->table[blk] * t->block_size * t->kv_heads * head_dim * elem;
     for (int64_t r = 0; r < t->block_size; r++)
         for (int64_t b = 0; b < head_dim * elem; b += 64)
-            _mm_prefetch(block + ((r * t->kv_heads + t->kh) * head_dim) * elem + b, _MM_HINT_T0);
+            _mm_prefetch(block + kv_offset(t, r, head_dim) * elem + b, _MM_HINT_T0);
 }
 
 /* A task with CH = head_dim / 16 and the cache dtype constant at the call site, so that a token's K
@@ -143,7 +149,7 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
         prefetch_block(t.k, &t, blk + 1, head_dim, elem);
         const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = ((base + s) * t.kv_heads + t.kh) * head_dim;
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
             __m512 kr[16];
             #pragma GCC unroll 16
             for (int c = 0; c < CH; c++) kr[c] = kv_loadv(t.k, row + 16 * c, kv_bf16);
@@ -180,7 +186,7 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
             prefetch_block(t.v, &t, blk + 1, head_dim, elem);
             const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-                const int64_t i = blk * bs + s - t.first, row = ((base + s) * t.kv_heads + t.kh) * head_dim;
+                const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
                 __m512 vr[16];
                 #pragma GCC unroll 16
                 for (int c = 0; c < CH; c++) vr[c] = kv_loadv(t.v, row + 16 * c, kv_bf16);

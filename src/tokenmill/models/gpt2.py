@@ -15,9 +15,10 @@ from torch import nn
 
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig
-from tokenmill.errors import CheckpointError, UnsupportedModelError
+from tokenmill.errors import UnsupportedModelError
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.models.causal_lm import gguf_tensor_names
 from tokenmill.models.gguf_names import gguf_name_table, map_gguf_name
 
 _GGUF_NAMES = {
@@ -132,9 +133,7 @@ class GPT2LMHeadModel(nn.Module):
 
     @staticmethod
     def config_from_gguf(ckpt: GGUFCheckpoint, cfg: ConfigFields) -> ModelConfig:
-        names = set(ckpt.tensor_names())
-        if "token_embd.weight" not in names:
-            raise CheckpointError(f"{ckpt.path}: no token_embd.weight tensor (is this a vocab-only file?)")
+        names = gguf_tensor_names(ckpt)
         hidden, heads = cfg.int("embedding_length"), cfg.int("attention.head_count")
         return ModelConfig(
             architecture="gpt2", vocab_size=ckpt.tensor_shape("token_embd.weight")[0], hidden_size=hidden,

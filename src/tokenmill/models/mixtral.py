@@ -5,6 +5,7 @@ layer's MLP is layers/moe.py's SparseMoE; llama.cpp stacks each layer's experts 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from torch import nn
@@ -90,5 +91,4 @@ class MoEForCausalLM(LlamaForCausalLM):
 def _with_experts(base: ModelConfig, family: str, top_k: int, dense: tuple[int, ...], **experts: object) -> ModelConfig:
     if not 1 <= top_k <= int(experts["num_experts"]):
         raise UnsupportedModelError(f"experts per token {top_k} is not in [1, {experts['num_experts']}]")
-    fields = {**base.__dict__, "architecture": family, "num_experts_per_tok": top_k, "dense_layers": dense, **experts}
-    return ModelConfig(**fields)
+    return dataclasses.replace(base, architecture=family, num_experts_per_tok=top_k, dense_layers=dense, **experts)

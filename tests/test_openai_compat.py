@@ -1,6 +1,6 @@
 """What OpenAI client libraries send, through a real server: the OpenAI fields tokenmill does not
 implement are accepted where their value changes nothing (`store: false`, `metadata`,
-`response_format: {"type": "text"}`, ...; the table is `protocol.NO_OP_VALUES`), and refused with a
+`service_tier: "auto"`, ...; the table is `protocol.NO_OP_VALUES`), and refused with a
 400 naming them where it would; `messages[i].name` and `chat_template_kwargs` reach the chat
 template; vLLM's `stream_options.continuous_usage_stats` puts the usage so far on every chunk.
 
@@ -155,16 +155,9 @@ CHAT = {"model": MODEL, "messages": HI, "max_tokens": 2}
 REFUSED = [
     # (path, body, param, words the message must hold)
     ("/v1/chat/completions", {**CHAT, "store": True}, "store", ["stores no completions"]),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     ["structured output", "not implemented"]),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format", ["structured output"]),
-    ("/v1/chat/completions", {**CHAT, "tools": []}, "tools", ["tool calling"]),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     ["tool calling"]),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", ["tool calling"]),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     ["tool calling"]),
+    ("/v1/chat/completions", {**CHAT, "tools": []}, "tools", ["non-empty"]),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", ["tools"]),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", ["deprecated"]),
     ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction",
      ["predicted outputs"]),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", ["text output"]),
@@ -177,7 +170,7 @@ REFUSED = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "x", "refusal": "no"}]},
      "messages[0].refusal", ["refusal"]),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
-     "messages[0].tool_calls", ["tool calling"]),
+     "messages[0].tool_calls[0].id", ["must be a string"]),
     ("/v1/chat/completions", {**CHAT, "logprobs": False, "top_logprobs": 1}, "top_logprobs", ["logprobs"]),
     ("/v1/chat/completions", {**CHAT, "verbosity": "low"}, "verbosity", ["not supported"]),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix", ["suffix", "not implemented"]),
@@ -203,8 +196,8 @@ def test_fields_that_would_change_the_output_are_a_400_naming_them(server, path,
 
 def test_refusal_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
-        greedy_chat(client, messages=HI, response_format={"type": "json_object"})
-    assert e.value.param == "response_format" and "structured output" in e.value.message
+        greedy_chat(client, messages=HI, prediction={"type": "content", "content": "x"})
+    assert e.value.param == "prediction" and "predicted outputs" in e.value.message
 
 
 # ---- chat_template_kwargs ------------------------------------------------------------------------------

@@ -395,6 +395,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantiz
 
 
 ATTENTION_BACKENDS = ("auto", "torch")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "generic")   # tool_calls.PARSERS' names
 
 
 QUANTIZATION_MODES = (None, "none", "int8", "int4")
@@ -438,6 +439,9 @@ class EngineConfig:
     tokenizer: str | None = setting(None, "load the tokenizer from another .gguf file, HF folder or repo id")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file holding one, used "
                                         "instead of the model's")
+    tool_call_parser: str | None = setting(None, "how the model writes tool calls (default: detected from the chat "
+                                           "template; generic, a JSON answer kept by a grammar, for a template "
+                                           "that does not render tools)", choices=TOOL_CALL_PARSERS)
     dtype: str = setting("auto", "auto (float32 for quantized weights on CPU, else bfloat16 where the hardware "
                          "has it, else float32) | float32 | bfloat16 | float16 (CUDA)")
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
@@ -480,6 +484,9 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise TokenmillError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise TokenmillError(f"tool_call_parser: {self.tool_call_parser!r} is not one of "
+                                 f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
                                  f"{', '.join(ATTENTION_BACKENDS)}")

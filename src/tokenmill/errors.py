@@ -16,3 +16,11 @@ class CheckpointError(TokenmillError):
 
 class UnsupportedModelError(CheckpointError):
     """A readable checkpoint whose architecture or tensor type tokenmill cannot run."""
+
+
+class SamplingParamsError(TokenmillError):
+    """An out-of-range or ill-typed sampling parameter; `field` names it (OpenAI's `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field} {message}")
+        self.field = field

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tokenmill.tool_calls import ToolCall
+
 
 @dataclass
 class Logprob:
@@ -22,6 +24,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None   # per output token: sampled + top-k alternatives
     finish_reason: str | None = None                   # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None               # the stop token id or stop string, if one ended it
+    # LLM.chat(tools=...): the calls parsed from `text` once finished (None without tools; `text` stays whole)
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

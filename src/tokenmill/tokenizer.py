@@ -84,6 +84,10 @@ class Tokenizer:
             raise TokenmillError(f"token id {token_id} is outside the vocabulary of {self.source} ({self.vocab_size})")
         return token
 
+    def backend_json(self) -> str:
+        """The tokenizer as Hugging Face `tokenizers` JSON: what grammar engines (llguidance) read."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         """Whether `decode(..., skip_special_tokens=True)` leaves this token out (control tokens)."""
         return token_id in self._special_ids
@@ -273,14 +277,15 @@ def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
-ChatRole = Literal["system", "developer", "user", "assistant"]
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """A conversation checked and normalized for a chat template, the same for the Python API and
     the server: each message a dict with a role in CHAT_ROLES and a content that is a string or a
-    list of {"type": "text", "text": ...} parts (joined into one string). "developer" (OpenAI's
+    list of {"type": "text", "text": ...} parts (joined into one string), or None in an assistant
+    message that has `tool_calls` (then ""). "developer" (OpenAI's
     newer name for the system role) becomes "system", the name templates know. Other keys pass
     through to the template."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -296,6 +301,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
                                              isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""   # (an assistant turn that only calls tools)
         if not isinstance(content, str):
             raise TokenmillError(f"messages[{i}].content: must be a string or a list of text parts, got "
                                  f"{type(content).__name__}")
@@ -321,7 +328,7 @@ def read_chat_template(template: str) -> str:
 # vLLM refuses it): extra template variables may not replace them, or a caller could render another
 # conversation than the one checked, or get ids where text is expected.
 RESERVED_TEMPLATE_VARIABLES: tuple[str, ...] = ("messages", "add_generation_prompt", "bos_token", "eos_token",
-                                                "tokenize")
+                                                "tokenize", "tools")
 
 
 def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:

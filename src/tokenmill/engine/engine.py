@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from tokenmill.engine.grammar import COMPLETE, GrammarCompiler
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
 from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
@@ -103,9 +104,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
+        # Compiles structured-output constraints. Set by load_engine: it needs the tokenizer, which
+        # the engine (token ids in, token ids out) does not have otherwise.
+        self.grammars: GrammarCompiler | None = None
         self._ids = itertools.count()
         self.num_prompt_tokens = 0       # cumulative, for stats(): the periodic server log's throughputs
         self.num_generation_tokens = 0
+        self.num_forced_tokens = 0       # of which appended by jump-forward, without a model step
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("memory plan: weights %.1f MiB (%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
                     "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
@@ -134,8 +139,15 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise TokenmillError(f"request_id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise TokenmillError("structured_outputs: this engine was built without a tokenizer (use "
+                                     "load_engine), so it cannot compile constraints")
+            grammar = self.grammars.matcher(params.structured_outputs)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens,
-                          frozenset() if params.ignore_eos else self.eos_token_ids, priority=priority)
+                          frozenset() if params.ignore_eos else self.eos_token_ids, priority=priority,
+                          grammar=grammar)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request_id] = request
@@ -175,21 +187,71 @@ class LLMEngine:
                 computed = request.num_computed_tokens
                 self.num_prompt_tokens += max(0, min(computed + n, len(request.prompt_token_ids)) - computed)
                 request.num_computed_tokens += n
+                request.num_forced_pending = min(request.num_forced_pending,
+                                                 request.num_tokens - request.num_computed_tokens)
                 self.kv.cache_full_blocks(request)
                 self.kv.release_behind_window(request)
         for request, token in results:
-            try:
-                request.append_token(token.token_id)
-                self.num_generation_tokens += 1
-                if token.logprob is not None:
-                    request.logprobs.append((token.logprob, token.top_logprobs))
-                request.check_stop(self.max_model_len)
-            except Exception as e:
-                self._fail(request, e)
-                continue
-            if request.is_finished:
-                self._release(request)
+            self._append(request, token.token_id, token.logprob, token.top_logprobs)
+        self._jump_forward([request for request, _ in results if request.grammar is not None])
         return failed + [request for request, _ in results]
+
+    def _append(self, request: Request, token_id: int, logprob: float | None,
+                top_logprobs: list[tuple[int, float]]) -> None:
+        """Add one output token to `request` and end it if that stops it; a failure here (a bug,
+        or a token its grammar rejects) ends that request alone."""
+        try:
+            request.append_token(token_id)
+            self.num_generation_tokens += 1
+            if logprob is not None:
+                request.logprobs.append((logprob, top_logprobs))
+            request.check_stop(self.max_model_len)
+            if request.grammar is not None and not request.is_finished:
+                request.grammar.accept(token_id)
+        except Exception as e:
+            self._fail(request, e)
+            return
+        if request.is_finished:
+            self._release(request)
+
+    def _jump_forward(self, requests: list[Request]) -> None:
+        """Fill the next-token masks of constrained requests; where a mask allows one token only,
+        append it now, without a model step (its probability under the mask is 1 whatever the
+        logits are; its K/V is computed with the next step's tokens), and repeat."""
+        while requests := [r for r in requests if not r.is_finished]:
+            self._fill_masks(requests)
+            forced = []
+            for request in requests:
+                if request.is_finished:   # (its mask failed)
+                    continue
+                try:
+                    token_id = request.grammar.forced_token()
+                except Exception as e:
+                    self._fail(request, e)
+                    continue
+                if token_id == COMPLETE:   # only EOS may follow (also under ignore_eos: nothing else may)
+                    request.finish("stop")
+                    self._release(request)
+                elif token_id is not None:
+                    # Under the mask the forced token's probability is 1: log-probability 0.
+                    logprob = 0.0 if request.params.logprobs is not None else None
+                    self._append(request, token_id, logprob, [(token_id, 0.0)] if request.params.logprobs else [])
+                    self.num_forced_tokens += 1
+                    request.num_forced_pending += 1
+                    forced.append(request)
+            requests = forced
+
+    def _fill_masks(self, requests: list[Request]) -> None:
+        """All masks in one call; if that fails, one by one, so that a failure ends its request alone."""
+        assert self.grammars is not None
+        try:
+            self.grammars.fill_masks([r.grammar for r in requests])
+        except Exception:
+            for request in requests:
+                try:
+                    self.grammars.fill_masks([request.grammar])
+                except Exception as e:
+                    self._fail(request, e)
 
     def _fail(self, request: Request, error: Exception) -> None:
         """End `request` alone because of `error` (a bug or a hostile input that got past

@@ -11,21 +11,34 @@ one input processor).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, open_checkpoint
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.request import check_prompt_token_ids
 from tokenmill.errors import TokenmillError
 from tokenmill.hub import model_path, resolve_model
-from tokenmill.sampling import SamplingParams
+from tokenmill.sampling import SamplingParams, SamplingParamsError
+from tokenmill.sampling.structured import StructuredOutputsParams
 from tokenmill.tokenizer import (
     Tokenizer,
     chat_messages,
     check_chat_template_kwargs,
     load_tokenizer,
     read_chat_template,
+)
+from tokenmill.tool_calls import (
+    PARSERS,
+    MistralToolParser,
+    ToolChoice,
+    ToolParser,
+    detect_tool_parser,
+    parse_tool_choice,
+    parse_tools,
 )
 
 PromptType = str | list[int]
@@ -35,13 +48,46 @@ Messages = list[dict[str, Any]]
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+@dataclass
+class ToolPlan:
+    """How one chat request uses tools: the parser of the model's tool-call syntax (it also renders
+    earlier calls in the conversation), what tool_choice allows, and the grammar that keeps the
+    output to it (None when the model writes freely)."""
+
+    parser: ToolParser
+    choice: ToolChoice
+    grammar: str | None
+
+    @property
+    def parses_output(self) -> bool:
+        """Whether the output is read for tool calls (not with tool_choice "none", or no tools)."""
+        return self.choice.mode != "none"
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the grammar as its constraint; special tokens kept in the text where the
+        syntax is made of them (Mistral's [TOOL_CALLS])."""
+        changes: dict[str, Any] = {}
+        if self.grammar is not None:
+            if params.structured_outputs is not None:
+                raise SamplingParamsError("structured_outputs", f"cannot be combined with tool_choice "
+                                          f"{self.choice.name or self.choice.mode!r}, whose grammar constrains the "
+                                          "output already")
+            changes["structured_outputs"] = StructuredOutputsParams(grammar=self.grammar)
+        if self.parses_output and isinstance(self.parser, MistralToolParser):
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(params, **changes) if changes else params
+
+
 class InputProcessor:
     """Prompts -> checked token ids for one engine, and its model's default sampling values."""
 
-    def __init__(self, tokenizer: Tokenizer, generation_config: dict[str, Any], vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, generation_config: dict[str, Any], vocab_size: int,
+                 grammars: GrammarCompiler, tool_call_parser: str | None = None):
         self.tokenizer = tokenizer
         self.generation_config = generation_config
         self.vocab_size = vocab_size    # the model's (it may exceed the tokenizer's: padded embeddings)
+        self.grammars = grammars        # the engine's: what the server compiles before submitting
+        self.tool_call_parser = tool_call_parser or detect_tool_parser(tokenizer.chat_template)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() updated with the model's generation_config.json sampling values."""
@@ -62,13 +108,32 @@ class InputProcessor:
             return None, list(prompt)
         raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
+    def tool_plan(self, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool = True) -> ToolPlan:
+        """The tools of a chat request (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`),
+        checked (TokenmillError naming the field), with this model's parser and the grammar that
+        tool_choice "required" or a named function (and "auto" in the generic syntax) needs."""
+        parsed = parse_tools(tools) if tools is not None else []
+        choice = parse_tool_choice(tool_choice, parsed or None)
+        parser = PARSERS[self.tool_call_parser](parsed)
+        grammar = parser.grammar(choice, parallel_tool_calls, self.grammars.special_token_ids(parser.markers)) \
+            if parsed else None
+        return ToolPlan(parser, choice, grammar)
+
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: ToolPlan | None = None) -> tuple[str, list[int]]:
         """The chat template applied to `messages` (checked by `chat_messages`): (text, token ids).
-        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
+        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
+        `tools` (from `tool_plan`) puts the tools in the prompt as the model's syntax wants them,
+        unless tool_choice is "none"."""
         # Checked before the conversation, so that a reserved key is named even in a bad conversation.
         template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
-        text = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+        plan = tools or self.tool_plan()
+        shown = plan.parser.tools if plan.parses_output else []
+        conversation = plan.parser.prepare_messages(chat_messages(messages), shown)
+        if shown and plan.parser.template_tools() is not None:
+            template_kwargs["tools"] = plan.parser.template_tools()
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
         # The template may already start with BOS; add it only if it does not (as llama.cpp does).
         bos = self.tokenizer.bos_token_id
@@ -94,4 +159,6 @@ def load_engine(model: str | None = None, **engine_args: Any) -> tuple[LLMEngine
     gen_eos = generation_config.get("eos_token_id")
     eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
     engine = LLMEngine(ckpt, config, frozenset(eos))
-    return engine, InputProcessor(tokenizer, generation_config, engine.model_config.vocab_size)
+    engine.grammars = GrammarCompiler(tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    return engine, InputProcessor(tokenizer, generation_config, engine.model_config.vocab_size, engine.grammars,
+                                  config.tool_call_parser)

@@ -137,7 +137,7 @@ class OutputProcessor:
                 out.logprobs.append(entry)
                 out.cumulative_logprob += lp
         text_ids = new_ids
-        if request.finish_reason == "stop" and not request.params.include_stop_str_in_output:
+        if request.ended_by_token and not request.params.include_stop_str_in_output:
             # As vLLM: the EOS or stop token that ended the request is in token_ids, not in the text.
             text_ids = new_ids[:-1]
         delta = sample.detokenizer.step(text_ids)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.grammar import GrammarMatcher
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling import SamplingParams
 
@@ -37,6 +38,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
+    num_forced_pending: int = 0           # output tokens a grammar forced whose K/V is not computed yet
     block_ids: list[int] = field(default_factory=list)        # the block table
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0            # leading block-table entries registered in the prefix cache
@@ -44,8 +46,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    ended_by_token: bool = False          # by an EOS or stop token: the last output token, not part of the text
     error: str | None = None              # why it failed, when finish_reason is "error"
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # the output's constraint (params.structured_outputs)
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
@@ -77,10 +81,9 @@ class Request:
         """After appending a token: EOS, a stop token, max_tokens or the context limit."""
         last = self.output_token_ids[-1]
         if len(self.output_token_ids) >= self.params.min_tokens:
-            if last in self.eos_token_ids:
-                return self.finish("stop", None)
-            if self.params.stop_token_ids and last in self.params.stop_token_ids:
-                return self.finish("stop", last)
+            if last in self.eos_token_ids or (self.params.stop_token_ids and last in self.params.stop_token_ids):
+                self.ended_by_token = True
+                return self.finish("stop", None if last in self.eos_token_ids else last)
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
 

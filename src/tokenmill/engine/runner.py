@@ -86,6 +86,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             eos_token_ids=[r.eos_token_ids for r in sampled],
             device=self.device,
+            grammar_masks=[r.grammar.mask if r.grammar is not None else None for r in sampled],
         )
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()

@@ -57,10 +57,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        # Tokens a grammar forced (engine/grammar.py: jump-forward) leave a decoding request more than
+        # one token to compute. With other requests decoding too, it computes one per step, so that
+        # the step stays all single-token rows (the fast decode path); alone, it computes them at once.
+        one_each = len(self.running) > 1 and all(r.num_tokens - r.num_computed_tokens <= 1 + r.num_forced_pending
+                                                 for r in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(1 if one_each else request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self.running[-1]   # lowest priority, latest arrival
                 self._preempt(victim)

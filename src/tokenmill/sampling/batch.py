@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from tokenmill.sampling.params import SamplingParams
@@ -56,6 +57,9 @@ class SamplingBatch:
     """float32, one value per entry of `bias_index`."""
     suppress_index: TokenIndex | None
     """EOS and stop token ids of rows that have not reached `min_tokens`; they get -inf."""
+    banned: torch.Tensor | None
+    """[B, V] bool: the tokens each row's structured-output grammar does not allow (none, on rows
+    without one); they get -inf before anything else. None when no row has a grammar."""
     seeded_rows: list[tuple[int, torch.Generator]]
     """(row, the request's own generator) for each sampled (non-greedy) row that has one; the
     other rows draw from the global generator."""
@@ -69,6 +73,7 @@ class SamplingBatch:
         return any(
             t is not None
             for t in (
+                self.banned,
                 self.bias_index,
                 self.suppress_index,
                 self.repetition_penalty,
@@ -87,10 +92,12 @@ class SamplingBatch:
         vocab_size: int,
         eos_token_ids: Sequence[frozenset[int]] | frozenset[int],
         device: torch.device | str,
+        grammar_masks: Sequence[np.ndarray | None] | None = None,
     ) -> SamplingBatch:
         """Pack B requests: their params, prompt and output token ids so far, generators (one per
-        seeded request, reused every step; greedy rows never draw from theirs) and EOS ids (one
-        set for all rows, or one set per row)."""
+        seeded request, reused every step; greedy rows never draw from theirs), EOS ids (one
+        set for all rows, or one set per row) and grammar masks (per row: None, or int32 words
+        whose bit t % 32 of word t // 32 allows token t; see engine/grammar.py)."""
         num_rows = len(params)
         if isinstance(eos_token_ids, frozenset):
             eos_token_ids = [eos_token_ids] * num_rows
@@ -159,9 +166,25 @@ class SamplingBatch:
             bias_index=bias_index,
             bias_values=bias_values,
             suppress_index=_token_index(suppressed, None, device) if any(suppressed) else None,
+            banned=_banned_tokens(grammar_masks, vocab_size, device),
             seeded_rows=[(row, g) for row, g in enumerate(generators) if g is not None and not greedy[row]],
             num_top_logprobs=min(max(requested_logprobs), vocab_size) if requested_logprobs else None,
         )
+
+
+def _banned_tokens(masks: Sequence[np.ndarray | None] | None, vocab_size: int,
+                   device: torch.device | str) -> torch.Tensor | None:
+    """[B, V] bool from per-row bitmasks of allowed tokens (rows without one ban nothing)."""
+    if masks is None or all(m is None for m in masks):
+        return None
+    words = -(-vocab_size // 32)
+    packed = np.full((len(masks), words), -1, dtype=np.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            packed[row] = mask[:words]
+    bits = np.unpackbits((~packed).view(np.uint8), axis=1, bitorder="little")
+    # contiguous: masked_fill with a strided mask is several times slower
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size]).view(np.bool_)).to(device)
 
 
 def _token_index(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import SamplingParamsError
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: dividing logits by them would overflow to inf."""
@@ -40,14 +41,6 @@ FLOAT32_TINY = 2.0**-126
 the sampler's float32 tensors hold it, so "> 0" ranges start here."""
 
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-
-
-class SamplingParamsError(TokenmillError):
-    """An out-of-range or ill-typed sampling parameter; `field` names it (OpenAI's `param`)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field} {message}")
-        self.field = field
 
 
 @dataclass
@@ -120,10 +113,17 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no log-probabilities. 0: the sampled token's log-probability. k in [1, 20]: also the
     k most likely tokens' ones. They are of the raw model distribution, before penalties,
-    temperature and filtering."""
+    temperature and filtering; under `structured_outputs`, of that distribution restricted to the
+    tokens the constraint allows (renormalized), the one the token was actually drawn from."""
 
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized output text."""
+
+    structured_outputs: StructuredOutputsParams | None = None
+    """A constraint the output must satisfy (JSON schema, JSON object, regex, choice or grammar;
+    see sampling/structured.py); a dict of its fields is accepted too. Tokens that cannot continue
+    a valid output are never sampled, and the request ends with "stop" once the output is
+    complete. `min_tokens` cannot be combined with it: the grammar decides where the output ends."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
@@ -158,6 +158,11 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS, none_ok=True)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+            if self.min_tokens:
+                raise SamplingParamsError("min_tokens", "cannot be combined with structured_outputs: the grammar "
+                                          "decides where the output ends")
 
     @property
     def is_greedy(self) -> bool:

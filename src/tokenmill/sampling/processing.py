@@ -2,7 +2,7 @@
 
 `processed_logits` applies, in this order (vLLM's order, except that min-p comes last):
 
-    logit_bias -> min_tokens suppression -> repetition, frequency, presence penalties
+    grammar mask -> logit_bias -> min_tokens suppression -> repetition, frequency, presence penalties
     -> temperature -> top-k -> top-p -> min-p
 
 Tokens removed by a filter get logit -inf, so `processed_logits(...).softmax(-1)` is exactly the
@@ -21,12 +21,15 @@ from tokenmill.sampling.batch import SamplingBatch
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32 logits after every step above; `logits` (any float dtype) is not modified."""
     logits = logits.to(torch.float32, copy=True)
+    if batch.banned is not None:
+        logits.masked_fill_(batch.banned, float("-inf"))
     if batch.bias_index is not None:
         logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
     if batch.suppress_index is not None:
         logits.index_put_(batch.suppress_index, torch.tensor(float("-inf"), device=logits.device))
     logits = apply_penalties(logits, batch)
-    logits /= batch.temperature.unsqueeze(1)
+    if not batch.all_greedy:   # (greedy rows' temperature is 1)
+        logits /= batch.temperature.unsqueeze(1)
     if batch.top_k is not None:
         logits = filter_top_k_top_p(logits, batch.top_k, batch.top_p)
     if batch.min_p is not None:

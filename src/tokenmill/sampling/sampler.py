@@ -8,7 +8,8 @@ draws its q row from its own generator, so its tokens do not depend on its batch
 all other rows share one draw from the global generator.
 
 Log-probabilities are of the RAW model distribution (log_softmax of the logits as given, before
-bias, penalties, temperature and filters), as vLLM returns by default.
+bias, penalties, temperature and filters), as vLLM returns by default; on a row with a grammar,
+of that distribution restricted to the tokens the grammar allows.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ class Sampler:
 
         if batch.num_top_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
-        raw_logprobs = logits.float().log_softmax(dim=-1)
+        raw = logits.float()
+        if batch.banned is not None:   # what a constrained row was drawn from: only the allowed tokens
+            raw = raw.masked_fill(batch.banned, float("-inf"))
+        raw_logprobs = raw.log_softmax(dim=-1)
         sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         if batch.num_top_logprobs == 0:
             return SamplerOutput(token_ids, sampled, None, None)

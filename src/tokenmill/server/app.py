@@ -244,6 +244,7 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
             state.check_model(body.model)
             engine = state.ready_engine()
             prepared = await asyncio.to_thread(prepare, body, engine.inputs)
+            await serving.compile_constraint(prepared, engine.inputs)
             return await serving.run(engine, prepared, config.served_model_name, request)
         except ErrorBody as e:   # (requests that failed in the engine are counted by the engine front)
             if e.status < 500 or e.status == 503:

@@ -60,25 +60,16 @@ class NoOp:
         return f"{self.refusal} (accepted: {accepted})"
 
 
-_TOOLS_REFUSAL = "tool calling is not implemented yet"
-
 # Unimplemented OpenAI fields, by name wherever they occur (request, messages[i], stream_options),
 # with the values accepted because they change nothing. Declared with their types on the models below.
 # Also accepted with any value, because they describe a request without changing its output: `user`,
 # `safety_identifier`, `prompt_cache_key`, `metadata` (OpenAI keeps it with stored completions; kept
-# nowhere here), `parallel_tool_calls` (no tools run, in parallel or not) and `messages[i].name`
-# (passed to the chat template, as vLLM does). `best_of` is accepted when it equals `n` (see
-# CompletionRequest).
+# nowhere here) and `messages[i].name` (passed to the chat template, as vLLM does). `best_of` is
+# accepted when it equals `n` (see CompletionRequest).
 NO_OP_VALUES: dict[str, NoOp] = {
     # chat requests
     "store": NoOp((False,), "tokenmill stores no completions, so it cannot keep store: true"),
-    "response_format": NoOp(({"type": "text"},), "structured output (json_object, json_schema) is not "
-                                                 "implemented yet"),
     "service_tier": NoOp(("auto", "default"), "tokenmill serves every request the same way"),
-    # (OpenAI itself refuses an empty tools list)
-    "tools": NoOp((), _TOOLS_REFUSAL),
-    # ("auto" with no tools can call none)
-    "tool_choice": NoOp(("none", "auto"), _TOOLS_REFUSAL),
     "prediction": NoOp((), "predicted outputs are not implemented"),
     "modalities": NoOp((["text"],), "only text output is implemented"),
     # (request: audio output settings; message: an earlier audio reply)
@@ -91,9 +82,10 @@ NO_OP_VALUES: dict[str, NoOp] = {
     "include_obfuscation": NoOp((False,), "stream obfuscation is not implemented"),
     # messages[i]: what a client sends back of an earlier reply's message
     "refusal": NoOp((), "a refusal is not part of the prompt tokenmill renders"),
-    "tool_calls": NoOp(([],), _TOOLS_REFUSAL),
-    "function_call": NoOp((), _TOOLS_REFUSAL),
     "annotations": NoOp(([],), "annotations are not part of the prompt tokenmill renders"),
+    # (the deprecated form of tool calls: send tools / tool_calls instead)
+    "function_call": NoOp((), "the deprecated function_call is not implemented; use tools and tool_calls"),
+    "functions": NoOp((), "the deprecated functions field is not implemented; use tools"),
 }
 
 
@@ -153,6 +145,13 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's structured output: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    # {"json_object": true} (see sampling/structured.py), and its older guided_* names for the same.
+    structured_outputs: JsonObject | None = None
+    guided_json: JsonValue = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -199,24 +198,25 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: ChatRole
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None   # (None only in an assistant message with tool_calls)
     name: str | None = None
+    tool_calls: list[JsonObject] | None = None     # an earlier assistant reply's calls
+    tool_call_id: str | None = None                # a "tool" message: the call it answers
     # Only as no-ops (NO_OP_VALUES): a client's copy of an earlier reply's message holds them.
     refusal: str | None = None
-    tool_calls: list[JsonObject] | None = None
     function_call: JsonObject | None = None
     audio: JsonObject | None = None
     annotations: list[JsonObject] | None = None
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: role, content as one string, and `name` when
-        given (as vLLM passes it; a template that knows it renders it, the others ignore it)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            message["name"] = self.name
+        """The message as the chat template sees it: role, content as one string, and `name`,
+        `tool_calls`, `tool_call_id` when given (as vLLM passes them; a template that knows them
+        renders them, the others ignore them). Checked further by tokenizer.chat_messages."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -231,13 +231,17 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None
-    # Accepted only with the values in NO_OP_VALUES.
-    store: bool | None = None
-    response_format: JsonObject | None = None
-    service_tier: str | None = None
+    # tool calling (see tool_calls.py)
     tools: list[JsonObject] | None = None
     tool_choice: str | JsonObject | None = None
+    parallel_tool_calls: bool | None = None
+    # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: JsonObject | None = None
+    # Accepted only with the values in NO_OP_VALUES.
+    store: bool | None = None
+    service_tier: str | None = None
+    functions: list[JsonObject] | None = None
+    function_call: str | JsonObject | None = None
     prediction: JsonObject | None = None
     modalities: list[str] | None = None
     audio: JsonObject | None = None

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tokenmill.engine.input import InputProcessor
+from tokenmill.engine.input import InputProcessor, ToolPlan
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import SamplingParams, SamplingParamsError
@@ -41,6 +42,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, 
 # Sampling fields that keep the model's default (generation_config.json) when the request omits them.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _RETRY_AFTER_S = 1
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,67 @@ class Prepared:
     continuous_usage: bool = False              # usage so far on every chunk
     echo: bool = False
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
+    tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                       renames: dict[str, str]) -> dict[str, Any] | None:
+    """The request's output constraint as StructuredOutputsParams fields, from whichever one field
+    gives it (`response_format` on chat requests, vLLM's `structured_outputs`, or its older
+    `guided_*` fields); `renames` learns which request field a constraint error should name."""
+    given: dict[str, dict[str, Any]] = {}
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = dict(req.structured_outputs)
+    for name, form in _GUIDED.items():
+        if getattr(req, name) is not None:
+            given[name] = {form: getattr(req, name)}
+            renames[f"structured_outputs.{form}"] = name
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None:
+        spec = _response_format(response_format)
+        if spec is not None:
+            given["response_format"] = spec
+            renames["structured_outputs.json"] = "response_format.json_schema.schema"
+            renames["structured_outputs.json_object"] = "response_format"
+    if len(given) > 1:
+        first, second = list(given)[:2]
+        raise ErrorBody(400, f"{second}: give one output constraint, not both {first} and {second}", param=second)
+    return next(iter(given.values()), None)
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's response_format as StructuredOutputsParams fields (None for plain text). `strict` may
+    be true or false: the schema is enforced either way (every token is masked by it)."""
+    def bad(message: str, param: str = "response_format") -> ErrorBody:
+        return ErrorBody(400, f"{param}: {message}", param=param)
+
+    kind = value.get("type")
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) == {"type"}:
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad(f"type must be text, json_object or json_schema, got {json.dumps(kind)[:40]}"
+                  if kind not in ("text", "json_object") else f"unexpected fields with type {kind}: "
+                  f"{', '.join(sorted(set(value) - {'type'}))}")
+    if set(value) != {"type", "json_schema"} or not isinstance(value["json_schema"], dict):
+        raise bad("type json_schema needs exactly a json_schema object ({\"name\", \"schema\", \"strict\", "
+                  "\"description\"})")
+    spec = value["json_schema"]
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise bad(f"unknown field {sorted(unknown)[0]!r}", "response_format.json_schema")
+    if not isinstance(spec.get("name"), str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", spec["name"]):
+        raise bad("is required: a name of at most 64 letters, digits, _ or -", "response_format.json_schema.name")
+    if spec.get("strict") not in (None, True, False):
+        raise bad("must be a bool", "response_format.json_schema.strict")
+    schema = spec.get("schema", {})   # (OpenAI: absent means any JSON)
+    if not isinstance(schema, dict):
+        raise bad("must be a JSON schema object", "response_format.json_schema.schema")
+    return {"json": schema}
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: SamplingParams, max_tokens: int | None,
@@ -65,7 +128,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
         logit_bias=req.logit_bias, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        logprobs=logprobs)
+        logprobs=logprobs, structured_outputs=structured_outputs(req, renames))
     values.update({name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None})
     try:
         return dataclasses.replace(defaults, **values)
@@ -81,7 +144,7 @@ def engine_error(e: TokenmillError, renames: dict[str, str]) -> ErrorBody:
         field = e.field
     else:
         head = message.split(":", 1)[0]
-        field = head if head.replace("_", "").isalnum() else None
+        field = head if re.fullmatch(r"[a-z_]+(\[\d+\]|\.[a-z_]+)*", head) else None
     if field is not None:
         root = field.split("[", 1)[0]
         if root in renames:
@@ -108,7 +171,8 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
         raise ErrorBody(400, "echo: prompt log-probabilities are not supported, so echo cannot be combined "
                         "with logprobs", param="echo")
     include_usage, continuous_usage = _check_stream_options(req)
-    params = sampling_params(req, inputs.default_sampling_params(), req.max_tokens, req.logprobs, {})
+    renames: dict[str, str] = {}
+    params = sampling_params(req, inputs.default_sampling_params(), req.max_tokens, req.logprobs, renames)
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
@@ -119,7 +183,8 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
         except TokenmillError as e:
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
-    return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo)
+    return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo,
+                    renames=renames)
 
 
 def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared:
@@ -135,13 +200,44 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, inputs.default_sampling_params(), max_tokens, logprobs, renames)
+    try:
+        tools = inputs.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls is not False)
+    except TokenmillError as e:
+        raise engine_error(e, {}) from None
+    if tools.grammar is not None and params.structured_outputs is not None:
+        raise ErrorBody(400, f"tool_choice: {tools.choice.name or tools.choice.mode!r} constrains the output to tool "
+                        "calls, so it cannot be combined with response_format or another output constraint",
+                        param="tool_choice")
+    params = tools.sampling_params(params)
+    if tools.grammar is not None:
+        renames["structured_outputs.grammar"] = "tools"
     messages = [m.for_template() for m in req.messages]
     try:
         text, ids = inputs.chat_prompt(messages, add_generation_prompt=True,
-                                       chat_template_kwargs=req.chat_template_kwargs)
+                                       chat_template_kwargs=req.chat_template_kwargs, tools=tools)
     except TokenmillError as e:
-        raise ErrorBody(400, f"messages: {e}", param="messages") from None
-    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames)
+        message = str(e)
+        param = message.split(":", 1)[0] if message.startswith("messages[") else "messages"
+        raise ErrorBody(400, message if param != "messages" else f"messages: {e}", param=param) from None
+    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames,
+                    tools=tools if req.tools is not None and tools.parses_output else None)
+
+
+async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None:
+    """Compile the request's output constraint (or find it in the cache) before anything runs, so
+    that an invalid one is a 400 naming its field, and one that takes too long to compile is
+    refused instead of holding up the engine."""
+    spec = prepared.params.structured_outputs
+    if spec is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.to_thread(inputs.grammars.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
+    except TimeoutError:
+        raise engine_error(SamplingParamsError(f"structured_outputs.{spec.form}", f"took more than "
+                                               f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile; simplify it"),
+                           prepared.renames) from None
+    except SamplingParamsError as e:
+        raise engine_error(e, prepared.renames) from None
 
 
 # ---- running -----------------------------------------------------------------------------------
@@ -211,6 +307,8 @@ class _Formatter:
         self._text_offset = [len(prepared.prompts[i // n][0]) if prepared.echo else 0
                              for i in range(len(self._sent_text))]
         self._finished = [False] * len(self._sent_text)
+        # per choice, while streaming with tools: the incremental tool-call parser of its text
+        self._tool_streams = [prepared.tools.parser.stream() for _ in self._sent_text] if prepared.tools else []
 
     def index(self, prompt_index: int, output: CompletionOutput) -> int:
         return prompt_index * self.p.params.n + output.index
@@ -273,12 +371,19 @@ class _Formatter:
             self._sent_tokens[i] = len(o.token_ids)
             self._finished[i] = o.finished
             if self.chat:
-                if text or logprobs is not None and logprobs["content"]:
-                    chunks.append(self._chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
+                stream = self._tool_streams[i] if self.p.tools is not None else None
+                deltas = stream.feed(text, final=o.finished) if stream is not None else [{"content": text}] if text \
+                    else []
+                if not deltas and logprobs is not None and logprobs["content"]:
+                    deltas = [{"content": ""}]
+                for delta in deltas:
+                    chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": logprobs,
                                                 "finish_reason": None}]))
+                    logprobs = None
                 if o.finished:
+                    called = stream is not None and bool(stream.tool_calls)
                     chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
-                                                "finish_reason": o.finish_reason}]))
+                                                "finish_reason": _finish_reason(o.finish_reason, called)}]))
             elif text or o.finished or logprobs is not None and logprobs["tokens"]:
                 chunks.append(self._chunk([{"index": i, "text": text, "logprobs": logprobs,
                                             "finish_reason": o.finish_reason}]))
@@ -305,14 +410,26 @@ class _Formatter:
                 i = self.index(prompt_index, o)
                 logprobs = self._logprobs(o, 0, len(o.token_ids), i)
                 if self.chat:
-                    choices.append({"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
-                                    "logprobs": logprobs, "finish_reason": o.finish_reason})
+                    message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
+                    calls = []
+                    if self.p.tools is not None:
+                        parsed = self.p.tools.parser.parse(o.text)
+                        message["content"], calls = parsed.content, parsed.tool_calls
+                        if calls:
+                            message["tool_calls"] = [call.to_openai() for call in calls]
+                    choices.append({"index": i, "message": message, "logprobs": logprobs,
+                                    "finish_reason": _finish_reason(o.finish_reason, bool(calls))})
                 else:
                     text = (self.p.prompts[prompt_index][0] if self.p.echo else "") + o.text
                     choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason})
         choices.sort(key=lambda c: c["index"])
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices, "usage": self.usage(finals)}
+
+
+def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended by itself after calling tools."""
+    return "tool_calls" if called_tools and reason == "stop" else reason
 
 
 def _finite(x: float) -> float:

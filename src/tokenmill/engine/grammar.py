@@ -30,9 +30,10 @@ CACHE_SIZE = 256
 
 MAX_ERROR_CHARS = 400
 
-# JSON whitespace between tokens: any, but at most 20 characters at a time, so that a small model
-# cannot fill its output with newlines (llguidance's default allows any amount).
-_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+# JSON whitespace between tokens, as llama.cpp's JSON-schema grammars allow it: one space, or one or
+# two newlines and an indent of at most 20 spaces or tabs. Pretty-printed JSON fits; a small model
+# cannot fill its output with blank lines (llguidance's default allows any amount of whitespace).
+_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"(\x20|\n{1,2}[\x20\t]{0,20})?"}
 _COMPACT_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 # Bounds on the work one grammar may cost, at compile time and per token: llguidance's defaults,

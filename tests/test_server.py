@@ -382,8 +382,8 @@ def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, sta
 def test_error_classes_through_the_openai_client(server, client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.status_code == 400 and e.value.param == "tools"
+                                       tools=[{"type": "function", "function": {"name": "not a name"}}])
+    assert e.value.status_code == 400 and e.value.param == "tools[0].function.name"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hi")
     assert e.value.code == "model_not_found"

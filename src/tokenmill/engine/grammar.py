@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import llguidance
 import numpy as np
+import torch
 
 from tokenmill.errors import SamplingParamsError, TokenmillError
 from tokenmill.sampling.structured import StructuredOutputsParams
@@ -108,7 +109,9 @@ class GrammarCompiler:
             n_vocab = max(self.vocab_size, self._tokenizer.vocab_size)
             self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend_json(), n_vocab=n_vocab,
                                                         eos_token=self._eos or None)
-            self._executor = llguidance.LLExecutor()
+            # Masks are filled between model steps, when the model's threads are idle: use as many
+            # (llguidance's default, 80% of the cores, is one thread on a 2-core machine).
+            self._executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
         return self._ll_tokenizer
 
     def special_token_ids(self, texts: tuple[str, ...]) -> dict[str, int]:

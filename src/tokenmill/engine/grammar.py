@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 import llguidance
 import numpy as np
@@ -83,6 +84,11 @@ class GrammarMatcher:
         return word * 32 + int(bits[word]).bit_length() - 1
 
 
+class CompiledGrammar(NamedTuple):
+    matcher: llguidance.LLMatcher   # at the start of the output; never advanced (requests get copies)
+    first_mask: np.ndarray          # its mask, int32 words as GrammarMatcher.mask
+
+
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer and fills masks. Thread-safe: the server
     compiles in a worker thread (so that a bad grammar is a 400 before anything runs) while the
@@ -94,20 +100,22 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self.mask_words = -(-vocab_size // 32)
+        # llguidance's vocabulary: the model's, or the tokenizer's where that is larger (masks
+        # cover it; the sampler reads the model's part)
+        self._n_vocab = max(vocab_size, tokenizer.vocab_size)
+        self.mask_words = -(-self._n_vocab // 32)
         self._eos_mask = np.zeros(self.mask_words, dtype=np.uint32)
         for token_id in self._eos:
-            if token_id < vocab_size:
+            if token_id < self._n_vocab:
                 self._eos_mask[token_id // 32] |= np.uint32(1 << (token_id % 32))
 
     def llguidance_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built on first use (a fraction of a second for a
         large vocabulary, seconds for Gemma's 262k), under the lock."""
         if self._ll_tokenizer is None:
-            n_vocab = max(self.vocab_size, self._tokenizer.vocab_size)
-            self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend_json(), n_vocab=n_vocab,
+            self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend_json(), n_vocab=self._n_vocab,
                                                         eos_token=self._eos or None)
             # Masks are filled between model steps, when the model's threads are idle: use as many
             # (llguidance's default, 80% of the cores, is one thread on a 2-core machine).
@@ -126,10 +134,11 @@ class GrammarCompiler:
                 found[text] = ids[0]
         return found
 
-    def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """The compiled constraint (a matcher at the start of the output, to copy), from the cache
-        when the same constraint was compiled before. Raises SamplingParamsError naming the field
-        when the schema, regex or grammar is invalid or exceeds the limits."""
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint (a matcher at the start of the output, to copy, and its first
+        mask), from the cache when the same constraint was compiled before. Raises
+        SamplingParamsError naming the field when the schema, regex or grammar is invalid or
+        exceeds the limits."""
         key = spec.key()
         with self._lock:
             cached = self._cache.get(key)
@@ -145,21 +154,23 @@ class GrammarCompiler:
         limits = llguidance.LLParserLimits(**_LIMITS)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         # The first mask builds the lexer, which the copies share: built here, in the compiling
-        # thread (the server's worker), not in the engine's step.
-        matcher.compute_bitmask()
+        # thread (the server's worker), not in the engine's step; every request starts from it.
+        first_mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
         if matcher.is_error():
             raise SamplingParamsError(field, f"is not supported or not valid: "
                                       f"{matcher.get_error()[:MAX_ERROR_CHARS]}")
+        compiled = CompiledGrammar(matcher, first_mask)
         with self._lock:
-            self._cache[key] = matcher
+            self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return matcher
+        return compiled
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher for one request, its first mask filled."""
-        state = GrammarMatcher(self.compile(spec).deep_copy(), self._eos_mask)
-        self.fill_masks([state])
+        """A fresh matcher for one request, with its first mask."""
+        compiled = self.compile(spec)
+        state = GrammarMatcher(compiled.matcher.deep_copy(), self._eos_mask)
+        state.mask = compiled.first_mask.copy()
         return state
 
     def fill_masks(self, matchers: list[GrammarMatcher]) -> None:

@@ -69,9 +69,9 @@ class ToolPlan:
         changes: dict[str, Any] = {}
         if self.grammar is not None:
             if params.structured_outputs is not None:
-                raise SamplingParamsError("structured_outputs", f"cannot be combined with tool_choice "
-                                          f"{self.choice.name or self.choice.mode!r}, whose grammar constrains the "
-                                          "output already")
+                raise SamplingParamsError("tool_choice", f"{self.choice.name or self.choice.mode!r} constrains the "
+                                          "output to tool calls, so it cannot be combined with response_format or "
+                                          "another output constraint")
             changes["structured_outputs"] = StructuredOutputsParams(grammar=self.grammar)
         if self.parses_output and isinstance(self.parser, MistralToolParser):
             changes["skip_special_tokens"] = False

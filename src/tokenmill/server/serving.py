@@ -202,13 +202,9 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
     params = sampling_params(req, inputs.default_sampling_params(), max_tokens, logprobs, renames)
     try:
         tools = inputs.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls is not False)
+        params = tools.sampling_params(params)
     except TokenmillError as e:
         raise engine_error(e, {}) from None
-    if tools.grammar is not None and params.structured_outputs is not None:
-        raise ErrorBody(400, f"tool_choice: {tools.choice.name or tools.choice.mode!r} constrains the output to tool "
-                        "calls, so it cannot be combined with response_format or another output constraint",
-                        param="tool_choice")
-    params = tools.sampling_params(params)
     if tools.grammar is not None:
         renames["structured_outputs.grammar"] = "tools"
     messages = [m.for_template() for m in req.messages]

@@ -7,8 +7,13 @@ the identity of the prefix it was computed from. After every step each scheduled
 through its block table, exactly its own prefix in every slot it attends over -- the
 no-model version of "paged attention reads the right K/V", through preemptions and cache hits.
 
-The hypothesis test runs random arrivals, prompt lengths, priorities, aborts, pool sizes and
-budgets and checks after every step: the budget and sequence limits hold, every step makes
+With `speculate`, decoding requests verify proposed tokens (some right, some wrong) as the engine's
+speculative decoding does: rejected rows' K/V roll back (block-table truncation), and the same
+checks must hold (a rolled-back slot is never read before it is written again, and never enters
+the prefix cache).
+
+The hypothesis test runs random arrivals, prompt lengths, priorities, aborts, pool sizes,
+budgets and speculation and checks after every step: the budget and sequence limits hold, every step makes
 progress while work remains, blocks are neither leaked nor double counted, no cached (shared)
 block is ever written, victims of preemption are the lowest-priority latest requests, and every
 request finishes with exactly the tokens it would get alone.
@@ -59,6 +64,7 @@ class Sim:
     max_num_batched_tokens: int = 16
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    speculate: bool = False   # decoding requests verify proposals, some wrong (engine/speculative.py)
     slots: dict[int, int] = field(default_factory=dict)   # fake KV: slot -> hash of the prefix it holds
     finished: list[Request] = field(default_factory=list)
 
@@ -78,33 +84,62 @@ class Sim:
         assert request.block_ids == [], "an aborted request's blocks go back at once"
         self.check_pool()
 
+    def propose(self) -> None:
+        """Proposals for the decoding requests: the true continuation up to a point, then wrong
+        tokens (how many of each: a fixed function of the request's state)."""
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                key = hash((request.request_id, request.num_tokens))
+                k = min(key % 4, request.max_tokens - len(request.output_token_ids) - 1)
+                truth = solo_output(request.all_token_ids, k)
+                right = (key // 4) % (k + 1)
+                request.spec_token_ids = truth[:right] + [(t + 1) % VOCAB for t in truth[right:]]
+
     def step(self) -> SchedulerOutput:
+        if self.speculate:
+            self.propose()
         running_before = list(self.scheduler.running)
         cached_before = dict(self.pool.block_hash)
         out = self.scheduler.schedule()
         self.check_schedule(out, running_before, cached_before)
         # "Run the model": write each scheduled token's K/V (all writes before any read, like a layer).
         for request, n in out.scheduled:
-            tokens = request.all_token_ids
+            tokens = request.all_token_ids + request.spec_token_ids
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + n):
                 self.slots[self.slot(request, pos)] = hash(tuple(tokens[:pos + 1]))
         for request, n in out.scheduled:
-            tokens = request.all_token_ids
+            tokens = request.all_token_ids + request.spec_token_ids
             end = request.num_computed_tokens + n
             seen = [self.slots.get(self.slot(request, pos)) for pos in range(end)]
             assert seen == [hash(tuple(tokens[:pos + 1])) for pos in range(end)], \
                 f"request {request.request_id} attends over K/V of another prefix"
-        # Postprocess like LLMEngine.step.
+        # Postprocess like LLMEngine.step: proposals are accepted while they are the model's tokens;
+        # rejected rows roll back.
+        new_tokens = {}
         for request, n in out.scheduled:
+            spec = request.spec_token_ids
+            new = []
+            if request.num_computed_tokens + n == request.num_tokens + len(spec):
+                truth = solo_output(request.all_token_ids, len(spec) + 1)
+                accepted = next((j for j, t in enumerate(spec) if t != truth[j]), len(spec))
+                new = truth[:accepted + 1]
+                n -= len(spec) - accepted
             request.num_computed_tokens += n
+            if spec:
+                self.kv.truncate(request)
+                spec.clear()
             self.kv.cache_full_blocks(request)
+            new_tokens[request.request_id] = new
+        for request in self.scheduler.running:
+            request.spec_token_ids.clear()   # (not scheduled this step)
         for request, _ in out.scheduled:
-            if request.num_computed_tokens == request.num_tokens:
-                request.append_token(next_token(request.all_token_ids))
+            for token in new_tokens[request.request_id]:
+                request.append_token(token)
                 if len(request.output_token_ids) >= request.max_tokens:
                     request.finish("length")
                     self.scheduler.remove(request)
                     self.finished.append(request)
+                    break
         self.check_pool()
         return out
 
@@ -124,10 +159,12 @@ class Sim:
         assert {id(r) for r in requests} <= {id(r) for r in sched.running}
         for request, n in out.scheduled:
             end = request.num_computed_tokens + n
-            assert end <= request.num_tokens
+            assert end <= request.num_tokens + len(request.spec_token_ids)
+            assert not request.spec_token_ids or end == request.num_tokens + len(request.spec_token_ids)
             assert len(request.block_ids) == self.kv.blocks_for(end), "blocks are allocated on demand"
             if not self.enable_chunked_prefill:
-                assert end == request.num_tokens or request.num_tokens > self.max_num_batched_tokens, \
+                assert end == request.num_tokens + len(request.spec_token_ids) or \
+                    request.num_tokens > self.max_num_batched_tokens, \
                     "without chunked prefill a request that fits one step runs whole"
             # No request writes into a block that already held cached K/V.
             first, last = request.num_computed_tokens // self.block_size, (end - 1) // self.block_size
@@ -388,6 +425,7 @@ def scenarios(draw):
         max_num_batched_tokens=draw(st.sampled_from([1, 3, 8, 16, 64, 64])),
         enable_chunked_prefill=draw(st.booleans()),
         enable_prefix_caching=draw(st.booleans()),
+        speculate=draw(st.booleans()),
     )
     return config, requests
 
@@ -420,6 +458,7 @@ def test_random_workloads_never_deadlock_leak_exceed_budget_or_starve(scenario):
     event(f"preemptions: {min(sim.scheduler.num_preemptions, 5)}{'+' if sim.scheduler.num_preemptions >= 5 else ''}")
     event(f"prefix hits: {sim.kv.prefix_hits > 0}")
     event(f"aborted: {sum(r.finish_reason == 'abort' for r in requests) > 0}")
+    event(f"speculating: {sim.speculate}")
     for request, spec in zip(requests, specs, strict=True):
         assert request.is_finished
         expected = solo_output(spec["prompt"], spec["max_tokens"])

@@ -9,7 +9,7 @@
 from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
 from tokenmill.hub import default_model_path
 from tokenmill.llm import LLM
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -19,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "IncrementalDetokenizer",
     "Logprob",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "Tokenizer",

@@ -7,6 +7,7 @@ metadata) and never changes afterwards. Field names follow Hugging Face's where 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -417,6 +418,72 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torc
     return dtype
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py), given as vLLM's `speculative_config` dict.
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
+    last n tokens, prompt_lookup_max >= n >= prompt_lookup_min) or "draft_model" (a smaller
+    model with the target's tokenizer, `model`; implied by `model`). num_speculative_tokens: the
+    most proposed tokens a request verifies per step (each request adapts below it from its own
+    acceptance rate). disable_by_batch_size: no speculation in a step with more requests running
+    than this (their spare compute is gone). quantization: the draft's, as EngineConfig's."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    quantization: str | None = None
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        where = "speculative_config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise TokenmillError(f"{where}: method {self.method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            _check_positive(f"{where}.{name}", getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise TokenmillError(f"{where}: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                                 f"({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise TokenmillError(f"{where}: method draft_model needs a model (the draft) and only it takes one")
+        if self.model is not None and not isinstance(self.model, str):
+            raise TokenmillError(f"{where}.model must be a string, got {self.model!r:.60}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise TokenmillError(f"{where}.quantization: {self.quantization!r} is not supported "
+                                 f"(None, {', '.join(repr(m) for m in QUANTIZATION_MODES if m)})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str) -> SpeculativeConfig:
+        """From a dict (the Python API) or its JSON text (the command line)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise TokenmillError(f"speculative_config: not a JSON object ({e})") from e
+        if not isinstance(value, Mapping):
+            raise TokenmillError(f"speculative_config: expected a dict (or its JSON text), got {value!r:.60}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TokenmillError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} (known: "
+                                 f"{', '.join(sorted(known))})")
+        values = dict(value)
+        if "method" not in values:
+            if values.get("model") is None:
+                raise TokenmillError("speculative_config: give a method (ngram) or a draft model")
+            values["method"] = "draft_model"
+        if "num_speculative_tokens" not in values:
+            raise TokenmillError("speculative_config: num_speculative_tokens is required")
+        return cls(**values)
+
+
 def setting(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
             cli: bool = True) -> Any:
     """A field of EngineConfig with what the command line needs: its help text, extra flag spellings
@@ -464,6 +531,11 @@ class EngineConfig:
     quantization: str | None = setting(None, "default: GGUF quantized weights run quantized (CPU); none: "
                                        "dequantize everything; int8 | int4: also quantize dense weights at load",
                                        choices=tuple(m for m in QUANTIZATION_MODES if m))
+    speculative_config: SpeculativeConfig | dict | str | None = setting(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} (prompt "
+        "lookup; prompt_lookup_min / prompt_lookup_max bound the n-gram) or {\"model\": DRAFT, "
+        "\"num_speculative_tokens\": 4} (a draft model with the same tokenizer; quantization: the draft's); "
+        "disable_by_batch_size: off when more requests run")
     show_progress: bool = setting(False, "progress bars while loading", cli=False)
 
     def __post_init__(self) -> None:
@@ -487,6 +559,8 @@ class EngineConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise TokenmillError(f"tool_call_parser: {self.tool_call_parser!r} is not one of "
                                  f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
                                  f"{', '.join(ATTENTION_BACKENDS)}")

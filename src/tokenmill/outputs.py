@@ -33,6 +33,20 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Speculative decoding's work on one request, summed over its samples (vLLM's `metrics`)."""
+
+    spec_num_steps: int = 0             # steps that verified proposed tokens
+    spec_num_draft_tokens: int = 0      # proposed tokens verified
+    spec_num_accepted_tokens: int = 0   # of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,6 +55,7 @@ class RequestOutput:
     num_cached_tokens: int = 0    # prompt tokens served by the prefix cache (sample 0's, at admission)
     error: str | None = None      # set when the request failed: a sample ended with finish_reason "error"
                                   # and its siblings were aborted (other requests are not affected)
+    metrics: RequestMetrics | None = None   # with speculative decoding: its proposals and acceptance
 
     @property
     def finished(self) -> bool:

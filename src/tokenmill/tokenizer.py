@@ -84,6 +84,17 @@ class Tokenizer:
             raise TokenmillError(f"token id {token_id} is outside the vocabulary of {self.source} ({self.vocab_size})")
         return token
 
+    def vocabulary_difference(self, other: Tokenizer) -> str | None:
+        """None when `other` maps the same tokens to the same ids (speculative decoding's draft must:
+        its token ids are the target's), else the first difference, for a message."""
+        mine, theirs = self._backend.get_vocab(with_added_tokens=True), other._backend.get_vocab(with_added_tokens=True)
+        if mine == theirs:
+            return None
+        for token, token_id in sorted(mine.items(), key=lambda item: item[1]):
+            if theirs.get(token) != token_id:
+                return f"token {token!r} is id {token_id} in {self.source} but {theirs.get(token)} in {other.source}"
+        return f"{other.source} has {len(theirs) - len(mine)} more tokens than {self.source}"
+
     def backend_json(self) -> str:
         """The tokenizer as Hugging Face `tokenizers` JSON: what grammar engines (llguidance) read."""
         return self._backend.to_str()

@@ -14,12 +14,20 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
-from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from tokenmill.config import (
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from tokenmill.engine.grammar import COMPLETE, GrammarCompiler
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
 from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
 from tokenmill.models.loader import load_model, runs_quantized
@@ -63,10 +71,17 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int          # prompt tokens run through the model (not those the prefix cache served)
     generation_tokens: int      # tokens sampled
+    spec_proposer: str | None = None   # speculative decoding's proposer (ngram, draft_model); None: off
+    spec_num_drafts: int = 0           # request-steps that verified at least one proposed token
+    spec_num_draft_tokens: int = 0     # proposed tokens verified
+    spec_num_accepted_tokens: int = 0  # of which accepted
 
 
 class LLMEngine:
-    def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int]):
+    def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int],
+                 draft: LLMEngine | None = None):
+        """`draft`: the engine of the draft model, for speculative_config's method draft_model (its
+        scheduler is unused: the speculator runs its model on shadow requests)."""
         self.config = config
         if config.threads is not None:
             # PyTorch's intra-op threads; the C kernels share its OpenMP runtime, so their parallel
@@ -104,6 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
+        self.speculator = self._speculator(config.speculative_config, draft)
         # Compiles structured-output constraints. Set by load_engine: it needs the tokenizer, which
         # the engine (token ids in, token ids out) does not have otherwise.
         self.grammars: GrammarCompiler | None = None
@@ -116,6 +132,19 @@ class LLMEngine:
                     "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
                     weight_bytes / 2**20, self.dtype, self.kv_dtype, per_token, num_blocks, config.block_size, capacity,
                     num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
+
+    def _speculator(self, config: SpeculativeConfig | None, draft: LLMEngine | None) -> Speculator | None:
+        if config is None:
+            return None
+        proposer: NgramProposer | DraftModelProposer
+        if config.method == "ngram":
+            proposer = NgramProposer(config)
+        elif draft is None:
+            raise TokenmillError("speculative_config: method draft_model needs the draft's engine (load_engine "
+                                 "builds it from speculative_config.model)")
+        else:
+            proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, self.model_config.vocab_size)
+        return Speculator(config, proposer, self.model_config.vocab_size, self.device)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -162,8 +191,11 @@ class LLMEngine:
         seeded generators are rewound first, so greedy and seeded survivors get exactly the tokens
         the whole step would have given them); a request that fails alone too ends with finish_reason
         "error". A failure while appending a request's token ends that request alone."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
+            self._end_speculation({})
             return []
         generator_states = [(r.generator, r.generator.get_state()) for r, n in scheduled
                             if r.generator is not None and r.num_computed_tokens + n == r.num_tokens]   # samples now
@@ -181,20 +213,39 @@ class LLMEngine:
                 except Exception as e:
                     failed.append(request)
                     self._fail(request, e)
+        new_tokens = {request.request_id: tokens for request, tokens in results}
         for request, n in scheduled:
             if not request.is_finished:
                 # A preempted request's prompt counts again: it is recomputed.
                 computed = request.num_computed_tokens
                 self.num_prompt_tokens += max(0, min(computed + n, len(request.prompt_token_ids)) - computed)
-                request.num_computed_tokens += n
-                request.num_forced_pending = min(request.num_forced_pending,
-                                                 request.num_tokens - request.num_computed_tokens)
+                # Rows of rejected proposals roll back (their K/V are not the request's).
+                rejected = len(request.spec_token_ids) + 1 - len(new_tokens.get(request.request_id, ()))
+                request.num_computed_tokens += n - (rejected if request.spec_token_ids else 0)
+                if request.spec_token_ids:
+                    self.kv.truncate(request)
+                # (accepted proposals are computed before they are appended below)
+                request.num_forced_pending = max(0, min(request.num_forced_pending,
+                                                        request.num_tokens - request.num_computed_tokens))
                 self.kv.cache_full_blocks(request)
                 self.kv.release_behind_window(request)
-        for request, token in results:
-            self._append(request, token.token_id, token.logprob, token.top_logprobs)
+        self._end_speculation(new_tokens)
+        for request, tokens in results:
+            for token in tokens:
+                if request.is_finished:   # (the tokens after its stop are dropped)
+                    break
+                self._append(request, token.token_id, token.logprob, token.top_logprobs)
         self._jump_forward([request for request, _ in results if request.grammar is not None])
         return failed + [request for request, _ in results]
+
+    def _end_speculation(self, new_tokens: dict[str, list]) -> None:
+        """After a step: counts and acceptance of the requests that speculated; each one's
+        proposals, masks and noise cleared."""
+        if self.speculator is None:
+            return
+        for request in self.scheduler.running + self.scheduler.waiting:
+            if request.spec_token_ids or request.spec_noise is not None:
+                self.speculator.verified(request, len(new_tokens.get(request.request_id, ())))
 
     def _append(self, request: Request, token_id: int, logprob: float | None,
                 top_logprobs: list[tuple[int, float]]) -> None:
@@ -274,6 +325,9 @@ class LLMEngine:
         self.finish_request(request_id, "abort")
 
     def _release(self, request: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.verified(request, 0)   # (a no-op unless it ended mid-step)
+            self.speculator.release(request)
         self.scheduler.remove(request)
         del self.requests[request.request_id]
 
@@ -287,7 +341,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's state now, for monitoring (the server's /metrics). Only lengths and
         counters are read, so another thread may call it while a step runs."""
+        spec = {}
+        if self.speculator is not None:
+            counts = self.speculator.stats
+            spec = dict(spec_proposer=self.speculator.proposer.name, spec_num_drafts=counts.num_drafts,
+                        spec_num_draft_tokens=counts.num_draft_tokens,
+                        spec_num_accepted_tokens=counts.num_accepted_tokens)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_blocks,
                            self.pool.num_free, self.kv.prefix_queries, self.kv.prefix_hits,
-                           self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens)
+                           self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, **spec)
 

@@ -69,6 +69,19 @@ class GrammarMatcher:
             raise TokenmillError(f"structured output: the grammar rejected token {token_id}: "
                                  f"{self._matcher.get_error()[:MAX_ERROR_CHARS]}")
 
+    def draft_masks(self, drafts: list[int]) -> tuple[list[int], list[np.ndarray]]:
+        """For speculative decoding: the longest prefix of `drafts` the grammar allows from here, and
+        the masks of the rows that verify it (the current mask, then the mask after each allowed
+        draft token). The matcher is left where it was."""
+        allowed = drafts[:self._matcher.validate_tokens(drafts)]
+        masks = [self.mask.copy()]
+        for token_id in allowed:
+            self._matcher.consume_token(token_id)
+            masks.append(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32).copy())
+        if allowed:
+            self._matcher.rollback(len(allowed))
+        return allowed, masks
+
     def forced_token(self) -> int | None:
         """The one token the current mask allows, COMPLETE when it allows only EOS tokens, None
         when it allows several. A mask that allows none (the grammar failed) is an error."""

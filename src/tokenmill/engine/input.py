@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, open_checkpoint
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.request import check_prompt_token_ids
@@ -148,6 +148,20 @@ def load_engine(model: str | None = None, **engine_args: Any) -> tuple[LLMEngine
         config = EngineConfig(model=model, **engine_args)
     except TypeError as e:
         raise TokenmillError(f"engine settings: {e}") from e
+    ckpt, tokenizer, generation_config, eos = _open_model(model, config)
+    draft = None
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        draft = _draft_engine(spec, config, tokenizer, eos)
+    engine = LLMEngine(ckpt, config, eos, draft)
+    engine.grammars = GrammarCompiler(tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    return engine, InputProcessor(tokenizer, generation_config, engine.model_config.vocab_size, engine.grammars,
+                                  config.tool_call_parser)
+
+
+def _open_model(model: str | None, config: EngineConfig) -> tuple[GGUFCheckpoint | HFCheckpoint, Tokenizer,
+                                                                   dict[str, Any], frozenset[int]]:
+    """(checkpoint, tokenizer, generation_config, every EOS id) of `model`."""
     path = model_path(model)
     ckpt = open_checkpoint(path)
     tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else
@@ -158,7 +172,19 @@ def load_engine(model: str | None = None, **engine_args: Any) -> tuple[LLMEngine
     eos = set(tokenizer.eos_token_ids)
     gen_eos = generation_config.get("eos_token_id")
     eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
-    engine = LLMEngine(ckpt, config, frozenset(eos))
-    engine.grammars = GrammarCompiler(tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
-    return engine, InputProcessor(tokenizer, generation_config, engine.model_config.vocab_size, engine.grammars,
-                                  config.tool_call_parser)
+    return ckpt, tokenizer, generation_config, frozenset(eos)
+
+
+def _draft_engine(spec: SpeculativeConfig, config: EngineConfig, tokenizer: Tokenizer,
+                  eos: frozenset[int]) -> LLMEngine:
+    """The draft model's engine: the target's settings but its own model, quantization and (no
+    prefix caching: a shadow's blocks are its own) KV pool; refused unless its tokenizer is the
+    target's."""
+    draft_config = dataclasses.replace(config, model=spec.model, tokenizer=None, quantization=spec.quantization,
+                                       speculative_config=None, enable_prefix_caching=False)
+    ckpt, draft_tokenizer, _, _ = _open_model(spec.model, draft_config)
+    difference = tokenizer.vocabulary_difference(draft_tokenizer)
+    if difference is not None:
+        raise TokenmillError(f"speculative_config.model: the draft's tokenizer is not the target's ({difference}); "
+                             f"a draft model must share the target's vocabulary")
+    return LLMEngine(ckpt, draft_config, eos)

@@ -184,6 +184,15 @@ class KVCacheManager:
             request.block_ids[start:first_needed] = [0] * (first_needed - start)
             request.num_released_blocks = first_needed
 
+    def truncate(self, request: Request) -> None:
+        """After a step that rolled back rejected proposals: give back the blocks past the request's
+        computed tokens (they hold only rejected K/V; none is registered in the prefix cache, which
+        registers computed full blocks only)."""
+        keep = max(self.blocks_for(request.num_computed_tokens), request.num_released_blocks)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[request.num_released_blocks:])
         request.block_ids = []

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.parallel_sampling import ParentRequest
-from tokenmill.engine.request import Request
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.engine.request import Request, SpecState
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling import SamplingParams, StopStringMatcher
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -26,6 +26,7 @@ class _Sample:
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher | None
     num_seen: int = 0      # engine tokens already processed
+    spec: SpecState | None = None   # its speculative decoding counts (when the engine speculates)
 
 
 @dataclass
@@ -111,6 +112,12 @@ class OutputProcessor:
         sample = parent.samples[request.request_id]
         if sample.output.index == 0:
             parent.output.num_cached_tokens = request.num_cached_tokens
+        if self.engine.speculator is not None:
+            sample.spec = request.spec
+            states = [s.spec for s in parent.samples.values() if s.spec is not None]
+            parent.output.metrics = RequestMetrics(sum(s.num_steps for s in states),
+                                                   sum(s.num_draft_tokens for s in states),
+                                                   sum(s.num_accepted_tokens for s in states))
         self._update_sample(request, sample)
 
     def _fail(self, parent: _Parent, child_id: str, error: str) -> None:
@@ -127,30 +134,35 @@ class OutputProcessor:
         new_ids = request.output_token_ids[sample.num_seen:]
         new_logprobs = request.logprobs[sample.num_seen:]
         sample.num_seen = len(request.output_token_ids)
-        out.token_ids.extend(new_ids)
-        if out.logprobs is not None:
-            for token_id, (lp, top) in zip(new_ids, new_logprobs, strict=True):
+        # A step can add several tokens (speculative decoding, a grammar's forced tokens): each is
+        # folded in on its own, so that a stop string ends the output at the token completing it,
+        # as it would have one token per step.
+        for i, token_id in enumerate(new_ids or [None]):   # (None: it finished without a new token)
+            last = i >= len(new_ids) - 1
+            if token_id is not None:
+                out.token_ids.append(token_id)
+            if token_id is not None and out.logprobs is not None:
+                lp, top = new_logprobs[i]
                 entry = {tid: Logprob(tlp, rank + 1, self.tokenizer.decode([tid]))
                          for rank, (tid, tlp) in enumerate(top)}
                 if token_id not in entry:
                     entry[token_id] = Logprob(lp, None, self.tokenizer.decode([token_id]))
                 out.logprobs.append(entry)
                 out.cumulative_logprob += lp
-        text_ids = new_ids
-        if request.ended_by_token and not request.params.include_stop_str_in_output:
+            ends = last and request.is_finished
             # As vLLM: the EOS or stop token that ended the request is in token_ids, not in the text.
-            text_ids = new_ids[:-1]
-        delta = sample.detokenizer.step(text_ids)
-        if request.is_finished:
-            delta += sample.detokenizer.flush()
-        if sample.stop is not None:
-            emitted, stopped = sample.stop.feed(delta)
-            if stopped:
-                out.text += emitted
-                self.engine.finish_request(request.request_id, "stop", sample.stop.matched)
-                out.finish_reason, out.stop_reason = "stop", sample.stop.matched
-                return
-            delta = emitted + (sample.stop.flush() if request.is_finished else "")
-        out.text += delta
+            in_text = not (last and request.ended_by_token and not request.params.include_stop_str_in_output)
+            delta = sample.detokenizer.step([token_id] if in_text and token_id is not None else [])
+            if ends:
+                delta += sample.detokenizer.flush()
+            if sample.stop is not None:
+                emitted, stopped = sample.stop.feed(delta)
+                if stopped:
+                    out.text += emitted
+                    self.engine.finish_request(request.request_id, "stop", sample.stop.matched)
+                    out.finish_reason, out.stop_reason = "stop", sample.stop.matched
+                    return
+                delta = emitted + (sample.stop.flush() if ends else "")
+            out.text += delta
         if request.is_finished:
             out.finish_reason, out.stop_reason = request.finish_reason, request.stop_reason

@@ -19,13 +19,26 @@ from tokenmill.errors import TokenmillError
 from tokenmill.sampling import SamplingParams
 
 
+@dataclass
+class SpecState:
+    """A request's speculative decoding so far: counts for its metrics, and a decayed count of
+    accepted / verified proposals from which its draft length is chosen (engine/speculative.py)."""
+
+    num_steps: int = 0            # steps that verified at least one proposed token
+    num_draft_tokens: int = 0     # proposed tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+    accepted: float = 1.5         # decayed accepted proposals (a prior of 3 in 4)
+    trials: float = 2.0           # decayed proposals verified up to and including the first rejected one
+    idle_steps: int = 0           # steps since it last speculated
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # a request is itself: found in the scheduler's lists by identity, not field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -50,6 +63,12 @@ class Request:
     error: str | None = None              # why it failed, when finish_reason is "error"
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # the output's constraint (params.structured_outputs)
+    # Speculative decoding (engine/speculative.py), set for one step by the speculator:
+    spec_token_ids: list[int] = field(default_factory=list)   # proposed tokens this step verifies
+    spec_masks: list | None = None         # with a grammar: the mask of each verified row
+    spec_noise: torch.Tensor | None = None  # [rows, V] the sampler's noise for its rows (sampled requests)
+    spec_noise_states: list[torch.Tensor] | None = None   # its generator's state before each row, and after
+    spec: SpecState = field(default_factory=lambda: SpecState())   # its acceptance so far (adaptive k)
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 

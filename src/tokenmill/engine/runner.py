@@ -37,28 +37,36 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                       list[int], list[Request]]:
+        """The packed batch. A request verifying k proposed tokens (`spec_token_ids`, scheduled with
+        its one uncomputed token: n = k + 1) enters attention as k + 1 single-query entries over its
+        one block table, at consecutive positions: every row writes its K/V before any row attends
+        (layers/attention.py), so entry j sees the keys of the rows before it, and the step stays a
+        decode step (the C decode stack) with each row computed exactly as a plain decode would."""
         ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
+        tables: list[list[int]] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
         for request, n in scheduled:
             start = request.num_computed_tokens
-            ids.extend(request.all_token_ids[start:start + n])
+            spec = request.spec_token_ids
+            ids.extend(request.all_token_ids[start:start + n] if not spec else request.all_token_ids[start:] + spec)
             positions.extend(range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            if start + n == request.num_tokens:
-                logits_rows.append(query_start_loc[-1] - 1)
+            entries = [(1, start + j + 1) for j in range(n)] if spec else [(n, start + n)]
+            for rows, seq_len in entries:   # (query rows, context length once written)
+                query_start_loc.append(query_start_loc[-1] + rows)
+                seq_lens.append(seq_len)
+                tables.append(request.block_ids)
+            if start + n == request.num_tokens + len(spec):
+                logits_rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
                 sampled.append(request)
-        max_blocks = max(len(r.block_ids) for r, _ in scheduled)
-        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in scheduled],
-                                    dtype=torch.int64)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
-        row_request = torch.repeat_interleave(torch.arange(len(scheduled)),
-                                              torch.tensor([n for _, n in scheduled]))
-        slot_mapping = block_tables[row_request, pos // self.block_size] * self.block_size + pos % self.block_size
+        row_entry = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(query_start_loc).diff())
+        slot_mapping = block_tables[row_entry, pos // self.block_size] * self.block_size + pos % self.block_size
         meta = AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -70,23 +78,36 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, pos.to(self.device), meta, logits_rows, sampled
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, SampledToken]]:
-        """Run one step; returns a sampled token for each request that completed its tokens."""
+    def logits(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, list[Request]]:
+        """Run the model on one step's batch: the logits of the rows that need them ([rows, V], in
+        request order, 1 + len(spec_token_ids) rows each) and the requests they belong to."""
         input_ids, positions, meta, logits_rows, sampled = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, meta)
         if not sampled:
+            return None, []
+        return self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)]), sampled
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, list[SampledToken]]]:
+        """Run one step; returns the new tokens of each request that completed its tokens: one, or,
+        verifying proposed tokens, those accepted and the target's own token after them."""
+        logits, sampled = self.logits(scheduled)
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
+        # Row j of a request verifying proposals d_1..d_k samples what follows d_1..d_j: its output
+        # so far includes them (penalties, min_tokens), its mask is the grammar's after them.
+        rows = [(r, j) for r in sampled for j in range(len(r.spec_token_ids) + 1)]
         batch = SamplingBatch.build(
-            params=[r.params for r in sampled],
-            prompt_ids=[r.prompt_token_ids for r in sampled],
-            output_ids=[r.output_token_ids for r in sampled],
-            generators=[r.generator for r in sampled],
+            params=[r.params for r, _ in rows],
+            prompt_ids=[r.prompt_token_ids for r, _ in rows],
+            output_ids=[r.output_token_ids + r.spec_token_ids[:j] if j else r.output_token_ids for r, j in rows],
+            generators=[r.generator for r, _ in rows],
             vocab_size=logits.shape[-1],
-            eos_token_ids=[r.eos_token_ids for r in sampled],
+            eos_token_ids=[r.eos_token_ids for r, _ in rows],
             device=self.device,
-            grammar_masks=[r.grammar.mask if r.grammar is not None else None for r in sampled],
+            grammar_masks=[None if r.grammar is None else r.spec_masks[j] if r.spec_token_ids else r.grammar.mask
+                           for r, j in rows],
+            noise=[None if r.spec_noise is None else r.spec_noise[j] for r, j in rows],
         )
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()
@@ -94,9 +115,20 @@ class ModelRunner:
         top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         results = []
-        for i, request in enumerate(sampled):
+        row = 0
+        for request in sampled:
+            # Each row's token is the target's own sample there (the same draw as without
+            # speculation); a proposal is accepted while it equals it, and the first row whose
+            # sample differs (or the row after the last proposal) gives the target's token.
+            tokens = []
             k = request.params.logprobs
-            lp = logprobs[i] if (logprobs is not None and k is not None) else None
-            top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if (k and top_ids is not None) else []
-            results.append((request, SampledToken(token_ids[i], lp, top)))
+            for j in range(len(request.spec_token_ids) + 1):
+                i = row + j
+                lp = logprobs[i] if (logprobs is not None and k is not None) else None
+                top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if (k and top_ids is not None) else []
+                tokens.append(SampledToken(token_ids[i], lp, top))
+                if j == len(request.spec_token_ids) or token_ids[i] != request.spec_token_ids[j]:
+                    break
+            results.append((request, tokens))
+            row += len(request.spec_token_ids) + 1
         return results

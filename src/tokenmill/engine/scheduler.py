@@ -15,6 +15,7 @@ is lost or generated twice).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -47,8 +48,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
-        self.waiting.sort(key=_order)
+        bisect.insort(self.waiting, request, key=_order)   # after its equals: they arrived earlier
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -66,7 +66,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(1 if one_each else request.num_tokens - request.num_computed_tokens, budget)
+            spec = request.spec_token_ids   # proposed tokens to verify (engine/speculative.py): as many as fit
+            del spec[max(0, budget - n):]
+            n += len(spec)
             while not self.kv.allocate_slots(request, n):
+                if spec:   # verify nothing rather than preempt anyone
+                    n -= len(spec)
+                    spec.clear()
+                    continue
                 victim = self.running[-1]   # lowest priority, latest arrival
                 self._preempt(victim)
                 preempted.append(victim)
@@ -102,20 +109,19 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self.running.sort(key=_order)
+            bisect.insort(self.running, request, key=_order)
             scheduled.append((request, n))
             budget -= n
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids.clear()
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.append(request)
-        self.waiting.sort(key=_order)
+        bisect.insort(self.waiting, request, key=_order)
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and return its blocks to the pool."""

@@ -63,6 +63,9 @@ class SamplingBatch:
     seeded_rows: list[tuple[int, torch.Generator]]
     """(row, the request's own generator) for each sampled (non-greedy) row that has one; the
     other rows draw from the global generator."""
+    given_noise: list[tuple[int, torch.Tensor]]
+    """(row, [V] Exponential(1) noise) for sampled rows whose noise was drawn beforehand (speculative
+    decoding: the draft sampled with it too); they draw nothing."""
     num_top_logprobs: int | None
     """K = the most top log-probabilities any row asked for; None when no row asked for any
     log-probability (0 when rows asked only for the sampled token's)."""
@@ -93,11 +96,13 @@ class SamplingBatch:
         eos_token_ids: Sequence[frozenset[int]] | frozenset[int],
         device: torch.device | str,
         grammar_masks: Sequence[np.ndarray | None] | None = None,
+        noise: Sequence[torch.Tensor | None] | None = None,
     ) -> SamplingBatch:
         """Pack B requests: their params, prompt and output token ids so far, generators (one per
         seeded request, reused every step; greedy rows never draw from theirs), EOS ids (one
-        set for all rows, or one set per row) and grammar masks (per row: None, or int32 words
-        whose bit t % 32 of word t // 32 allows token t; see engine/grammar.py)."""
+        set for all rows, or one set per row), grammar masks (per row: None, or int32 words
+        whose bit t % 32 of word t // 32 allows token t; see engine/grammar.py) and noise (per row:
+        None, or the [V] noise a sampled row uses instead of drawing; see sampler.draw_noise)."""
         num_rows = len(params)
         if isinstance(eos_token_ids, frozenset):
             eos_token_ids = [eos_token_ids] * num_rows
@@ -167,7 +172,10 @@ class SamplingBatch:
             bias_values=bias_values,
             suppress_index=_token_index(suppressed, None, device) if any(suppressed) else None,
             banned=_banned_tokens(grammar_masks, vocab_size, device),
-            seeded_rows=[(row, g) for row, g in enumerate(generators) if g is not None and not greedy[row]],
+            seeded_rows=[(row, g) for row, g in enumerate(generators)
+                         if g is not None and not greedy[row] and (noise is None or noise[row] is None)],
+            given_noise=[] if noise is None else [(row, n) for row, n in enumerate(noise)
+                                                  if n is not None and not greedy[row]],
             num_top_logprobs=min(max(requested_logprobs), vocab_size) if requested_logprobs else None,
         )
 

@@ -76,10 +76,37 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
     """[B, V] Exponential(1) draws: one global draw for all rows, then each sampled seeded row's
-    own draw from its generator (the only per-request Python work in the sampler)."""
+    own draw from its generator (the only per-request Python work in the sampler), and the rows
+    whose noise is given."""
     noise = torch.empty(batch.num_rows, batch.vocab_size, device=device).exponential_()
     for row, generator in batch.seeded_rows:
-        own = torch.empty(batch.vocab_size, device=generator.device).exponential_(generator=generator)
-        noise[row] = own.to(device)
+        noise[row] = _own_noise(generator, batch.vocab_size, device)
+    for row, given in batch.given_noise:
+        noise[row] = given
     # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return noise.clamp_min_(_TINY)
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _own_noise(generator: torch.Generator, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """One row's draw from a request's own generator: what one sampling step consumes from it."""
+    return torch.empty(vocab_size, device=generator.device).exponential_(generator=generator).to(device)
+
+
+def draw_noise(generator: torch.Generator | None, rows: int, vocab_size: int,
+               device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The noise of a request's next `rows` sampling steps, drawn ahead ([rows, V]; speculative
+    decoding samples the draft and verifies with it). From the request's own generator, row by row
+    exactly as that many steps would draw, with the generator's state before each row and after the
+    last, so that a caller that uses only the first r rows rewinds it to states[r] and the
+    request's later tokens are those it would have had without drawing ahead; else from the
+    global generator (states None)."""
+    if generator is None:
+        return torch.empty(rows, vocab_size, device=device).exponential_().clamp_min_(_TINY), None
+    states, noise = [generator.get_state()], []
+    for _ in range(rows):
+        noise.append(_own_noise(generator, vocab_size, device))
+        states.append(generator.get_state())
+    return torch.stack(noise).clamp_min_(_TINY), states

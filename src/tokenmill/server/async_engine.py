@@ -114,6 +114,9 @@ class StatsInterval:
     prefix_cache_queries: int     # prompt tokens admitted
     prefix_cache_hits: int        # of which the prefix cache served
     num_preemptions: int
+    spec_num_drafts: int = 0          # speculative decoding: request-steps that verified proposals
+    spec_num_draft_tokens: int = 0    # proposed tokens verified
+    spec_num_accepted_tokens: int = 0
 
     @classmethod
     def between(cls, before: EngineStats, after: EngineStats, seconds: float) -> StatsInterval:
@@ -121,7 +124,10 @@ class StatsInterval:
                    after.generation_tokens - before.generation_tokens, after.num_running, after.num_waiting,
                    (after.num_kv_blocks - after.num_free_kv_blocks) / after.num_kv_blocks,
                    after.prefix_cache_queries - before.prefix_cache_queries,
-                   after.prefix_cache_hits - before.prefix_cache_hits, after.num_preemptions - before.num_preemptions)
+                   after.prefix_cache_hits - before.prefix_cache_hits, after.num_preemptions - before.num_preemptions,
+                   after.spec_num_drafts - before.spec_num_drafts,
+                   after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -136,6 +142,12 @@ class StatsInterval:
                           self.prompt_tokens / self.seconds, self.generation_tokens / self.seconds,
                           self.num_running, self.num_waiting, 100 * self.kv_blocks_used,
                           100 * self.prefix_cache_hit_rate, self.num_preemptions, extra={"engine_stats": self})
+        if self.spec_num_draft_tokens:
+            stats_logger.info("SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
+                              "Accepted: %d tokens, Drafted: %d tokens",
+                              100 * self.spec_num_accepted_tokens / self.spec_num_draft_tokens,
+                              1 + self.spec_num_accepted_tokens / self.spec_num_drafts,
+                              self.spec_num_accepted_tokens, self.spec_num_draft_tokens, extra={"engine_stats": self})
 
 
 @dataclass

@@ -48,6 +48,14 @@ class _EngineCollector(Collector):
                                   value=s.prefix_cache_hits)
         yield CounterMetricFamily("tokenmill_num_preemptions",
                                   "Sequences preempted (KV blocks freed, recomputed later)", value=s.num_preemptions)
+        if s.spec_proposer is not None:   # vLLM's spec_decode counters, labelled by proposer
+            for name, help, value in [
+                ("num_drafts", "Request-steps that verified proposed tokens", s.spec_num_drafts),
+                ("num_draft_tokens", "Proposed tokens verified", s.spec_num_draft_tokens),
+                ("num_accepted_tokens", "Proposed tokens accepted", s.spec_num_accepted_tokens)]:
+                family = CounterMetricFamily(f"tokenmill_spec_decode_{name}", help, labels=["proposer"])
+                family.add_metric([s.spec_proposer], value)
+                yield family
 
 
 class ServerMetrics:

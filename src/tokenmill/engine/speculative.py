@@ -1,0 +1,264 @@
+"""Speculative decoding: a proposer guesses a request's next k tokens, one target step verifies them.
+
+Per step, before scheduling, `Speculator.propose` gives each running request that is decoding
+(one uncomputed token) up to k proposed tokens (`Request.spec_token_ids`). The scheduler schedules
+1 + k tokens for it, the runner scores them as k + 1 decode rows of the one packed batch
+(engine/runner.py) and samples every row as if it were a plain decode step there, and the
+proposals are accepted while they equal the target's own samples. The accepted tokens and the
+target's token after them (1 to k + 1 tokens) are appended; the K/V of rejected rows are rolled
+back (`KVCacheManager.truncate`).
+
+Why the output distribution is exactly the target's: each row's token is drawn from the target's
+processed distribution at that position (the exponential race: argmax(p / E), E ~ Exp(1) per
+token), given the tokens before it, and a row is only kept when every token before it is the
+target's own sample too. So every kept token is the token plain decoding would have drawn from the
+same noise. For a proposer that proposes one token deterministically (n-gram lookup), this is
+rejection sampling's rule exactly (accept d with probability p(d); on rejection, a draw from p
+without d). A draft model samples its proposals with the same noise E as the rows that verify them
+(drawn ahead, `sampler.draw_noise`): its token is argmax(q / E), accepted when it equals
+argmax(p / E), which happens with probability at least (1 - TV) / (1 + TV) for TV the total
+variation between p and q (Leviathan et al.'s residual rule reaches 1 - TV; it needs a fresh
+uniform per row, so a seeded request's tokens would depend on its proposals). With the same
+noise, a seeded request's tokens are the same with or without speculation, and greedy rows (the
+argmax, no noise) are identical to plain decoding by construction.
+
+Adaptive draft length: each request keeps a decayed count of its proposals accepted and verified
+(`SpecState`), an estimate of the probability a that a proposal is accepted; it takes the k that
+maximizes the expected tokens per step, (1 - a^(k+1)) / (1 - a), over the step's cost, 1 + c k
+(c = ROW_COST, an extra verified row's cost relative to a decode step). Where no k > 0 pays, it
+does not speculate, and tries one token every PROBE_INTERVAL steps to learn whether that changed.
+With more than `disable_by_batch_size` requests running, nobody speculates: the batch's rows
+already use the compute that verification would have used for free.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, SpecState
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.sampling import Sampler, SamplingBatch
+from tokenmill.sampling.sampler import draw_noise
+
+logger = logging.getLogger(__name__)
+
+ROW_COST = 0.1
+"""The cost of one more verified row, relative to a batch-1 decode step, on the CPU decode path
+(quantized matmuls read the weights once for all rows; see docs/ARCHITECTURE.md for the
+measurement)."""
+DECAY = 0.8
+"""Weight of a request's earlier acceptance counts at each step (recent steps count most)."""
+PROBE_INTERVAL = 16
+"""A request that stopped speculating tries one proposed token again after this many steps."""
+
+
+def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: for n from max_n down to min_n, find the latest earlier occurrence of the
+    last n tokens; the (up to k) tokens that followed it. [] when none occurs."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        # windows over ids[:-1]: each ends before the last token, so a token follows it
+        hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start:start + k].tolist()
+    return []
+
+
+def draft_length(state: SpecState, k_max: int) -> int:
+    """The k in 0..k_max that maximizes expected tokens per step over its cost (module docstring)."""
+    a = min(state.accepted / state.trials, 0.99)
+    gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + ROW_COST * k) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=gains.__getitem__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counts of one proposer (the engine's stats and /metrics)."""
+
+    num_drafts: int = 0             # request-steps that verified at least one proposed token
+    num_draft_tokens: int = 0       # proposed tokens verified
+    num_accepted_tokens: int = 0    # of which accepted
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+
+
+class NgramProposer:
+    """Prompt lookup over the request's prompt and output so far (no model)."""
+
+    name = "ngram"
+    samples = False   # its proposals do not depend on the sampling noise
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, jobs: list[tuple[Request, int]]) -> list[list[int]]:
+        return [ngram_lookup(r.all_token_ids, self.min_n, self.max_n, k) for r, k in jobs]
+
+    def release(self, request: Request) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A smaller model with the target's tokenizer, run by its own engine (its own weights, paged
+    KV cache and block pool; `draft` is an LLMEngine whose scheduler is never used). Each target
+    request has a shadow request in the draft's cache; a proposal first brings the shadow up to
+    the target's tokens (its rejected proposals rolled back, the new tokens computed: the whole
+    prompt the first time), then samples k tokens, one draft step each, all requests batched."""
+
+    name = "draft_model"
+    samples = True   # it samples with the noise the target's rows will use
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_model_len: int, vocab_size: int):
+        self.runner, self.kv, self.max_model_len, self.vocab_size = runner, kv, max_model_len, vocab_size
+        self.sampler = Sampler()
+        self.shadows: dict[str, Request] = {}
+        self.synced: dict[str, int] = {}   # request id -> how many of the shadow's tokens are the target's
+
+    def _sync(self, request: Request) -> Request:
+        """The request's shadow, holding the target's tokens, its K/V valid where they agree."""
+        shadow = self.shadows.get(request.request_id)
+        if shadow is None:
+            shadow = self.shadows[request.request_id] = Request(request.request_id, list(request.prompt_token_ids),
+                                                                request.params, request.max_tokens, frozenset())
+            shadow.generator = None   # draws nothing: proposals use the target's noise
+        same = self.synced.get(request.request_id, 0)   # the target only appends: those stay the same
+        for mine, theirs in zip(shadow.all_token_ids[same:], request.all_token_ids[same:]):  # noqa: B905
+            if mine != theirs:
+                break
+            same += 1
+        self.synced[request.request_id] = request.num_tokens
+        # (at least the last token is computed again: its logits give the first proposal)
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, request.num_tokens - 1)
+        self.kv.truncate(shadow)
+        shadow.output_token_ids = list(request.output_token_ids)
+        shadow.all_token_ids = list(request.all_token_ids)
+        return shadow
+
+    @torch.inference_mode()
+    def propose(self, jobs: list[tuple[Request, int]]) -> list[list[int]]:
+        active: list[tuple[Request, Request, int]] = []   # (target request, shadow, k)
+        for request, k in jobs:
+            if request.num_tokens + k - 1 > self.max_model_len:
+                continue
+            shadow = self._sync(request)
+            if not self.kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+                self.release(request)   # no room in the draft's pool: it proposes nothing this step
+                continue
+            active.append((request, shadow, k))
+        proposals: dict[str, list[int]] = {r.request_id: [] for r, _ in jobs}
+        for j in range(max((k for _, _, k in active), default=0)):
+            active = [job for job in active if job[2] > j]
+            scheduled = [(shadow, shadow.num_tokens - shadow.num_computed_tokens) for _, shadow, _ in active]
+            logits, _ = self.runner.logits(scheduled)
+            tokens = self._sample(logits, [(r, shadow, j) for r, shadow, _ in active])
+            for (request, shadow, _), (_, n), token in zip(active, scheduled, tokens, strict=True):
+                shadow.num_computed_tokens += n
+                shadow.append_token(token)
+                proposals[request.request_id].append(token)
+        return [proposals[r.request_id] for r, _ in jobs]
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, Request, int]]) -> list[int]:
+        """Each shadow's next token under its request's sampling parameters and noise row j,
+        over the target's vocabulary (the draft's logits cut or padded to its width)."""
+        vocab = self.vocab_size
+        if logits.shape[1] != vocab:
+            padded = logits.new_full((logits.shape[0], vocab), float("-inf"))
+            width = min(vocab, logits.shape[1])
+            padded[:, :width] = logits[:, :width]
+            logits = padded
+        batch = SamplingBatch.build(
+            params=[r.params for r, _, _ in rows],
+            prompt_ids=[s.prompt_token_ids for _, s, _ in rows],
+            output_ids=[s.output_token_ids for _, s, _ in rows],
+            generators=[None] * len(rows),
+            vocab_size=vocab,
+            eos_token_ids=[r.eos_token_ids for r, _, _ in rows],
+            device=logits.device,
+            noise=[None if r.spec_noise is None else r.spec_noise[j] for r, _, j in rows],
+        )
+        return self.sampler(logits, batch).token_ids.tolist()
+
+    def release(self, request: Request) -> None:
+        shadow = self.shadows.pop(request.request_id, None)
+        self.synced.pop(request.request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow)
+
+
+@dataclass
+class Speculator:
+    """Proposes, per step, the tokens each decoding request verifies, and keeps the counts."""
+
+    config: SpeculativeConfig
+    proposer: NgramProposer | DraftModelProposer
+    vocab_size: int
+    device: torch.device
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` (and, for sampled requests, the noise of their rows) of the running
+        requests that speculate this step."""
+        if len(running) > self.config.disable_by_batch_size:
+            return
+        jobs = []
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
+                continue   # prefilling, or computing tokens a grammar forced
+            state = request.spec
+            k = draft_length(state, self.config.num_speculative_tokens)
+            if k == 0 and state.idle_steps >= PROBE_INTERVAL:
+                k = 1
+            # the proposals and the target's token after them must fit in max_tokens
+            k = min(k, request.max_tokens - len(request.output_token_ids) - 1)
+            state.idle_steps = 0 if k > 0 else state.idle_steps + 1
+            if k > 0:
+                jobs.append((request, k))
+        if not jobs:
+            return
+        if self.proposer.samples:
+            for request, k in jobs:
+                self._draw_noise(request, k + 1)
+        for (request, _), drafts in zip(jobs, self.proposer.propose(jobs), strict=True):
+            if request.grammar is not None:
+                drafts, request.spec_masks = request.grammar.draft_masks(drafts)
+            request.spec_token_ids = drafts
+            if drafts and not self.proposer.samples:
+                self._draw_noise(request, len(drafts) + 1)
+
+    def _draw_noise(self, request: Request, rows: int) -> None:
+        if not request.params.is_greedy:
+            request.spec_noise, request.spec_noise_states = draw_noise(request.generator, rows, self.vocab_size,
+                                                                       self.device)
+
+    def verified(self, request: Request, num_tokens: int) -> None:
+        """After the step: `num_tokens` of the request's rows were sampled (0 if it was not, e.g.
+        preempted): count, update its acceptance, rewind its generator to the rows it used, and
+        clear the step's proposals."""
+        proposed = len(request.spec_token_ids)
+        if proposed and num_tokens:
+            accepted = num_tokens - 1
+            self.stats.record(proposed, accepted)
+            state = request.spec
+            state.num_steps += 1
+            state.num_draft_tokens += proposed
+            state.num_accepted_tokens += accepted
+            state.accepted = DECAY * state.accepted + accepted
+            state.trials = DECAY * state.trials + accepted + (accepted < proposed)
+        if request.spec_noise_states is not None:
+            request.generator.set_state(request.spec_noise_states[num_tokens])
+        request.spec_token_ids = []
+        request.spec_masks = request.spec_noise = request.spec_noise_states = None
+
+    def release(self, request: Request) -> None:
+        self.proposer.release(request)

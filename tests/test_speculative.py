@@ -1,0 +1,376 @@
+"""Speculative decoding (engine/speculative.py): proposals verified in the packed batch.
+
+The claims: greedy outputs are identical with and without speculation (ngram and draft model, mixed
+batches, chunked prefill, preemption); a seeded request gets the same tokens and logprobs with and
+without it under every sampling option; the output distribution is the target's (within 0.002 total
+variation, with a deliberately poor draft); the K/V cache after rejections holds what plain
+decoding writes; speculation adapts (off above disable_by_batch_size, short drafts where proposals
+fail). The K/V bookkeeping of rollback under random workloads is tested in test_scheduler.py's
+hypothesis state machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from engine_helpers import make_engine, prefill_logits
+from tiny_models import make_hf_model
+
+from tokenmill.checkpoint import open_checkpoint
+from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.request import Request, SpecState
+from tokenmill.engine.speculative import draft_length, ngram_lookup
+from tokenmill.errors import TokenmillError
+from tokenmill.sampling import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [[1, 5, 9, 5, 9, 5], [3] * 40 + [7, 8], list(range(2, 30)), [11, 12, 13, 11, 12], [4, 4]]
+
+
+def engine(path: Path, spec: dict | None = None, draft: Path | None = None, **kwargs) -> LLMEngine:
+    """A float32 engine on `path`, speculating with `spec` (and the draft model at `draft`)."""
+    draft_engine = None
+    if draft is not None:
+        draft_engine = make_engine(draft, enable_prefix_caching=False, **kwargs)
+        spec = {"model": str(draft), **(spec or {"num_speculative_tokens": 3})}
+    config = EngineConfig(dtype="float32", speculative_config=spec, **kwargs)
+    return LLMEngine(open_checkpoint(path), config, frozenset(), draft_engine)
+
+
+def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_free_blocks == eng.pool.num_blocks, "blocks leaked"
+    if eng.speculator is not None and hasattr(eng.speculator.proposer, "shadows"):
+        assert not eng.speculator.proposer.shadows, "draft shadows outlived their requests"
+        draft_kv = eng.speculator.proposer.kv
+        assert draft_kv.pool.num_free == draft_kv.pool.num_blocks, "draft blocks leaked"
+    return requests
+
+
+def perturbed(path: Path, scale: float, seed: int = 1) -> Path:
+    """The checkpoint at `path` with noise of `scale` times each weight's spread added: a draft that
+    shares the target's tokenizer and is right only part of the time."""
+    weights = path / "model.safetensors"
+    tensors = safetensors.torch.load_file(weights)
+    generator = torch.Generator().manual_seed(seed)
+    for t in tensors.values():
+        t += torch.randn(t.shape, generator=generator) * t.std() * scale if t.numel() > 1 else 0
+    safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def poor_draft(tmp_path_factory) -> Path:
+    """The tiny llama (tiny_hf_model's seed) with noisy weights: many of its proposals are wrong."""
+    return perturbed(make_hf_model("llama", tmp_path_factory.mktemp("draft") / "poor"), 0.05)
+
+
+# ---- pieces ----------------------------------------------------------------------------------------
+
+
+def test_ngram_lookup_takes_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 4, 8, 7, 1, 2]
+    assert ngram_lookup(tokens, 1, 3, 2) == [4, 8]           # "1 2": latest earlier occurrence
+    assert ngram_lookup(tokens + [3], 1, 3, 3) == [9, 1, 2]   # "1 2 3" (longest first) beats "2 3", "3"
+    assert ngram_lookup([5, 6, 7], 1, 3, 4) == []
+    assert ngram_lookup([5, 6, 5], 2, 3, 4) == []            # only a 1-gram matches, below min
+    assert ngram_lookup([5, 6, 5], 1, 3, 4) == [6, 5]        # proposals stop at the end of the context
+    assert ngram_lookup([7], 1, 3, 4) == []
+
+
+def test_draft_length_follows_the_acceptance_rate():
+    assert draft_length(SpecState(accepted=9.9, trials=10.0), 4) == 4
+    assert draft_length(SpecState(accepted=0.0, trials=10.0), 4) == 0
+    ks = [draft_length(SpecState(accepted=a, trials=10.0), 6) for a in range(11)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 6
+
+
+def test_speculative_config_is_vllms_dict_or_its_json():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 4, 3)
+    assert SpeculativeConfig.parse({"model": "x.gguf", "num_speculative_tokens": 2}).method == "draft_model"
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config \
+        == SpeculativeConfig("ngram", 2)
+    for bad, message in [({"method": "ngram"}, "num_speculative_tokens is required"),
+                         ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
+                         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key(s) 'typo'"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                           "prompt_lookup_max": 2}, "prompt_lookup_min (4) exceeds"),
+                         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+                         ("{not json", "not a JSON object"), ([1], "expected a dict")]:
+        with pytest.raises(TokenmillError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            EngineConfig(speculative_config=bad)
+
+
+# ---- greedy: identical outputs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-same-weights", "draft-poor"])
+def test_greedy_outputs_are_identical_with_speculation(tiny_hf_model, poor_draft, proposer):
+    target = tiny_hf_model("llama")
+    # a small step budget: long prompts prefill in chunks while the others decode and verify
+    kwargs = dict(max_num_batched_tokens=24)
+    spec = {"ngram": dict(spec=NGRAM), "draft-same-weights": dict(draft=target),
+            "draft-poor": dict(draft=poor_draft)}[proposer]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 33, 25, 40, 3)]
+    plain = run(engine(target, **kwargs), PROMPTS, params)
+    eng = engine(target, **spec, **kwargs)
+    fast = run(eng, PROMPTS, params)
+    assert [r.output_token_ids for r in fast] == [r.output_token_ids for r in plain]
+    assert [len(r.output_token_ids) for r in fast] == [40, 33, 25, 40, 3]
+    stats = eng.speculator.stats
+    assert stats.num_accepted_tokens > 0, "nothing was accepted: the test would prove nothing"
+    if proposer == "draft-same-weights":   # a perfect draft: every proposal accepted
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens, "nothing was rejected"
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_outputs_survive_a_preemption_storm(tiny_hf_model, poor_draft, proposer):
+    target = tiny_hf_model("llama")
+    kwargs = dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=32)
+    spec = dict(spec=NGRAM) if proposer == "ngram" else dict(draft=poor_draft)
+    prompts = [[i % 7 + 1, 3, i % 5 + 2] * 3 for i in range(10)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = run(engine(target, **kwargs), prompts, params)
+    eng = engine(target, **spec, **kwargs)
+    fast = run(eng, prompts, params)
+    assert eng.scheduler.num_preemptions > 0, "no preemption: the storm did not happen"
+    assert eng.speculator.stats.num_draft_tokens > 0
+    assert [r.output_token_ids for r in fast] == [r.output_token_ids for r in plain]
+
+
+# ---- sampling: the same tokens for a seed, the target's distribution ---------------------------------
+
+
+# (low temperatures: the tiny model's samples then repeat often enough for n-gram proposals to hit)
+SAMPLING_OPTIONS = [
+    dict(temperature=0.5),
+    dict(temperature=0.7, top_k=5, top_p=0.9),
+    dict(temperature=0.5, min_p=0.1, presence_penalty=1.5, frequency_penalty=1.0),
+    dict(temperature=0.6, repetition_penalty=2.0, logit_bias={4: 2.0, 9: -1.0}),
+    dict(temperature=0.6, min_tokens=6, stop_token_ids=[3, 4], logprobs=3),
+]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_seeded_request_gets_the_same_tokens_and_logprobs_with_speculation(tiny_hf_model, poor_draft, proposer):
+    """Every row is sampled from the target's processed distribution with the draw plain decoding
+    would use there, so penalties, filters, bias, min_tokens and the seed all carry over exactly."""
+    target = tiny_hf_model("llama")
+    spec = dict(spec=NGRAM) if proposer == "ngram" else dict(draft=poor_draft)
+    params = [SamplingParams(max_tokens=30, seed=100 + i, **options) for i, options in enumerate(SAMPLING_OPTIONS)]
+    prompts = [[1, 5, 9, 5, 9, 5, 9]] * len(params)
+    plain = run(engine(target), prompts, params)
+    eng = engine(target, **spec)
+    fast = run(eng, prompts, params)
+    assert eng.speculator.stats.num_accepted_tokens > 0
+    for a, b in zip(fast, plain, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.finish_reason == b.finish_reason
+        for (lp_a, top_a), (lp_b, top_b) in zip(a.logprobs, b.logprobs, strict=True):
+            assert lp_a == pytest.approx(lp_b, abs=1e-4)
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+@pytest.mark.slow
+def test_sampled_outputs_follow_the_target_distribution_with_a_poor_draft(tmp_path):
+    """A 4-token vocabulary, a draft with other weights, temperature 2: the two tokens a
+    verification step produces (the first from the row verifying the proposal, the second only
+    where that proposal was accepted) against the target's exact distribution: within 0.002 total
+    variation at 200k samples (the sampling noise alone is ~0.0013; a rule that accepted proposals
+    without checking them is off by ~0.1)."""
+    target = make_hf_model("llama", tmp_path / "target", seed=0, overrides={"vocab_size": 4})
+    draft = make_hf_model("llama", tmp_path / "draft", seed=3, overrides={"vocab_size": 4})
+    # a one-token prompt: every step is a decode step (the fast path), so 200k samples take a minute
+    prompt, temperature, batch, samples = [2], 2.0, 20_000, 200_000
+    kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=4 * batch, num_kv_blocks=batch + 10)
+    eng = engine(target, {"num_speculative_tokens": 2, "disable_by_batch_size": batch}, draft, **kwargs)
+    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
+    counts = torch.zeros(4, 4, 4)
+    torch.manual_seed(0)
+    for _ in range(samples // batch):
+        for r in run(eng, [prompt] * batch, params):
+            counts[tuple(r.output_token_ids)] += 1
+    stats = eng.speculator.stats
+    assert stats.num_draft_tokens >= samples
+    assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9, "the draft is not a poor one"
+    reference = make_engine(target)
+    p1 = (prefill_logits(reference, prompt)[-1] / temperature).softmax(-1)
+    exact = torch.zeros(4, 4, 4)
+    for a in range(4):
+        p2 = (prefill_logits(reference, prompt + [a])[-1] / temperature).softmax(-1)
+        for b in range(4):
+            p3 = (prefill_logits(reference, prompt + [a, b])[-1] / temperature).softmax(-1)
+            exact[a, b] = p1[a] * p2[b] * p3
+    empirical = counts / counts.sum()
+    # output tokens 2 and 3 come from verification steps (token 1 from the prefill)
+    for position, dims in [(2, (0, 2)), (3, (0, 1))]:
+        tv = 0.5 * (empirical.sum(dims) - exact.sum(dims)).abs().sum().item()
+        assert tv < 0.002, f"total variation {tv:.4f} at output position {position}"
+
+
+# ---- the KV cache after rejections ------------------------------------------------------------------
+
+
+def kv_rows(eng: LLMEngine, request: Request, n: int) -> torch.Tensor:
+    """The request's K/V of positions [0, n) in every layer: [layers, 2, n, kv_heads, head_dim]."""
+    positions = torch.arange(n)
+    table = torch.tensor(request.block_ids)
+    slots = table[positions // eng.config.block_size] * eng.config.block_size + positions % eng.config.block_size
+    return torch.stack([cache.flatten(1, 2)[:, slots] for cache in eng.kv_caches]).float()
+
+
+def test_the_cache_after_rejections_holds_what_plain_decoding_writes(tiny_hf_model, poor_draft):
+    target = tiny_hf_model("llama")
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng = engine(target, draft=poor_draft, block_size=4)
+    fast = eng.add_request(prompt, params)
+    while len(fast.output_token_ids) < 30:
+        eng.step()
+    stats = eng.speculator.stats
+    assert stats.num_draft_tokens - stats.num_accepted_tokens >= 5, "too few rejections to test"
+    n = fast.num_computed_tokens
+    assert len(fast.block_ids) == eng.kv.blocks_for(n), "blocks past the computed tokens were not given back"
+    assert all(b not in eng.pool.block_hash for b in fast.block_ids[n // 4:]), "a partial block was cached"
+    plain_eng = engine(target, block_size=4)
+    plain = plain_eng.add_request(prompt, params)
+    while plain.num_computed_tokens < n:
+        plain_eng.step()
+    assert plain.all_token_ids[:n] == fast.all_token_ids[:n]
+    torch.testing.assert_close(kv_rows(eng, fast, n), kv_rows(plain_eng, plain, n), rtol=1e-5, atol=1e-5)
+
+
+# ---- adaptivity --------------------------------------------------------------------------------------
+
+
+def test_no_speculation_with_more_requests_running_than_disable_by_batch_size(tiny_hf_model):
+    target = tiny_hf_model("llama")
+    eng = engine(target, {**NGRAM, "disable_by_batch_size": 2})
+    run(eng, [PROMPTS[1]] * 3, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    first = eng.speculator.stats.num_drafts
+    assert first == 0
+    run(eng, [PROMPTS[1]] * 2, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert eng.speculator.stats.num_drafts > 0
+
+
+def test_draft_length_adapts_to_each_requests_acceptance(tiny_hf_model, tmp_path):
+    target = tiny_hf_model("llama")
+    useless = perturbed(make_hf_model("llama", tmp_path / "useless"), 0.5)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    good = run(engine(target, {"num_speculative_tokens": 4}, draft=target), [PROMPTS[0]], params)[0]
+    bad = run(engine(target, {"num_speculative_tokens": 4}, draft=useless), [PROMPTS[0]], params)[0]
+    # a perfect draft proposes the full 4 (but where max_tokens cuts it) and takes ~5 tokens per step
+    assert good.spec.num_draft_tokens >= 4 * (good.spec.num_steps - 1)
+    assert good.spec.num_steps <= 60 // 5 + 1
+    # proposals that nearly always fail: it stops speculating but for occasional one-token probes
+    # (a fixed draft length would verify 4 per token: 240)
+    assert bad.spec.num_accepted_tokens <= 0.1 * bad.spec.num_draft_tokens
+    assert bad.spec.num_draft_tokens <= 20
+
+
+# ---- the default model: the Python API and the server ----------------------------------------------
+
+COPY_TASK = [{"role": "user", "content": "Add a docstring to this Python function and return the whole function:\n\n"
+              "def area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError('negative size')"
+              "\n    return width * height\n"}]
+
+
+@pytest.fixture(scope="module")
+def plain_llm(default_gguf_path):
+    from tokenmill import LLM
+    return LLM(str(default_gguf_path))
+
+
+@pytest.fixture(scope="module")
+def ngram_llm(default_gguf_path):
+    from tokenmill import LLM
+    return LLM(str(default_gguf_path), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+
+
+def test_default_model_copy_task_is_identical_and_speculation_pays(plain_llm, ngram_llm):
+    """Greedy, with stop strings, logprobs and n = 2 seeded samples: the same outputs, and on a
+    copying task most of the output comes from accepted proposals."""
+    params = [SamplingParams(max_tokens=80, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=80, temperature=0.0, stop=["Error"]),
+              SamplingParams(max_tokens=60, temperature=0.7, n=2, seed=5)]
+    for sp in params:
+        a = ngram_llm.chat(COPY_TASK, sp, use_tqdm=False)[0]
+        b = plain_llm.chat(COPY_TASK, sp, use_tqdm=False)[0]
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+        if sp.logprobs:
+            assert [list(e) for e in a.outputs[0].logprobs] == [list(e) for e in b.outputs[0].logprobs]
+            assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+        assert b.metrics is None and a.metrics is not None
+    stop = ngram_llm.chat(COPY_TASK, params[1], use_tqdm=False)[0].outputs[0]
+    assert stop.finish_reason == "stop" and stop.stop_reason == "Error" and stop.text.endswith("Value")
+    out = ngram_llm.chat(COPY_TASK, params[0], use_tqdm=False)[0]
+    assert out.metrics.spec_num_accepted_tokens >= len(out.outputs[0].token_ids) / 2, out.metrics
+    assert out.metrics.spec_num_steps < len(out.outputs[0].token_ids)
+
+
+def test_default_model_structured_output_with_speculation(plain_llm, ngram_llm):
+    schema = {"type": "object", "properties": {"fruit": {"type": "array", "items": {"type": "string"}}},
+              "required": ["fruit"]}
+    messages = [{"role": "user", "content": "List the fruit as JSON: apples, pears, plums, apples, pears."}]
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs={"json": schema})
+    a = ngram_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    b = plain_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    if a.finish_reason == "stop":
+        import json
+        assert isinstance(json.loads(a.text)["fruit"], list)
+
+
+@pytest.mark.slow
+def test_default_model_quantized_draft_for_the_dense_target(default_gguf_path, plain_llm):
+    """The default GGUF run quantized proposes for the same weights run dense: greedy outputs are
+    the dense model's, and nearly every proposal is accepted."""
+    from tokenmill import LLM
+    dense = LLM(str(default_gguf_path), quantization="none", dtype="float32")
+    spec = LLM(str(default_gguf_path), quantization="none", dtype="float32",
+               speculative_config={"model": str(default_gguf_path), "num_speculative_tokens": 4})
+    messages = [{"role": "user", "content": "Write two sentences about rivers."}]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    a = spec.chat(messages, params, use_tqdm=False)[0]
+    b = dense.chat(messages, params, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.metrics.spec_acceptance_rate > 0.8, a.metrics
+    stats = spec.engine.stats()
+    assert stats.spec_proposer == "draft_model" and stats.spec_num_accepted_tokens == a.metrics.spec_num_accepted_tokens
+
+
+def test_a_draft_with_another_tokenizer_is_refused(default_gguf_path, tiny_hf_model):
+    from tokenmill import LLM
+    with pytest.raises(TokenmillError, match="the draft's tokenizer is not the target's"):
+        LLM(str(default_gguf_path), speculative_config={"model": str(tiny_hf_model("llama")),
+                                                         "num_speculative_tokens": 2})
+
+
+def test_server_speculative_config_flag_and_metrics(default_gguf_path, tmp_path):
+    import openai
+    from test_server import Server, running
+    config = '{"method": "ngram", "num_speculative_tokens": 4}'
+    s = Server([str(default_gguf_path), "--served-model-name", "smol", "--speculative-config", config],
+               tmp_path / "server.log", {})
+    with running(s, None):
+        client = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=300)
+        out = client.chat.completions.create(model="smol", messages=COPY_TASK, max_tokens=60, temperature=0)
+        assert "def area(width, height):" in out.choices[0].message.content
+        m = s.metrics()
+        drafted = m['tokenmill_spec_decode_num_draft_tokens_total{proposer="ngram"}']
+        accepted = m['tokenmill_spec_decode_num_accepted_tokens_total{proposer="ngram"}']
+        assert 0 < accepted <= drafted
+        assert m['tokenmill_spec_decode_num_drafts_total{proposer="ngram"}'] > 0

@@ -235,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(b)
     structured.add_structured_args(b)
     b.set_defaults(func=structured.cmd_structured)
+
+    from tokenmill.bench import spec
+    b = _command(bench, "spec", help="speculative decoding: output tok/s off / ngram / draft model on an "
+                 "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup")
+    b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_engine_args(b)
+    spec.add_spec_args(b)
+    b.set_defaults(func=spec.cmd_spec)
     return parser
 
 

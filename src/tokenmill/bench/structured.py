@@ -291,7 +291,7 @@ def compile_times(llm: Any, cases: list[SchemaCase], repeats: int) -> dict[str, 
 
 # ---- llama-server ---------------------------------------------------------------------------------------
 
-async def _chat_requests(base_url: str, model: str, bodies: list[dict[str, Any]], concurrency: int,
+async def chat_requests(base_url: str, model: str, bodies: list[dict[str, Any]], concurrency: int,
                          timeout: float) -> tuple[list[dict[str, Any]], float]:
     """POST each body to /v1/chat/completions (not streamed), `concurrency` in flight at once;
     (the responses, or {"error": ...}, in order; the wall time)."""
@@ -326,7 +326,7 @@ def _llama_run(base_url: str, model: str, requests: list[tuple[SchemaCase, list[
             body["ignore_eos"] = True
         bodies.append(body)
     load = load_average()
-    responses, elapsed = asyncio.run(_chat_requests(base_url, model, bodies, concurrency, timeout))
+    responses, elapsed = asyncio.run(chat_requests(base_url, model, bodies, concurrency, timeout))
     rows, errors, prompt_tokens = [], [], 0
     for (case, _), resp in zip(requests, responses, strict=True):
         if "error" in resp or not resp.get("choices"):

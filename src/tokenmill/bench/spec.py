@@ -1,0 +1,364 @@
+"""`tokenmill bench spec [MODEL]`: speculative decoding's speed, on the default SmolLM2 GGUF or any
+model, with `--repeats` runs and the median and spread ((max - min) / median) of every number.
+
+Two workloads of chat requests, greedy, `--max-tokens` each:
+  - grounded: the answer copies from the prompt (a function returned with a docstring added, JSON
+    records reformatted, a list repeated with one change): where prompt lookup finds its tokens;
+  - free: open questions and stories (little to copy).
+Each prompt carries a run tag in its system message, so no run is served from another's prefix
+cache. At batch 1 the requests run one after another; at batch b, b requests (the workload's
+prompts cycled) run at once in an engine with max_num_seqs = b.
+
+Modes (one engine each): `off`; `ngram` (speculative_config {"method": "ngram",
+"num_speculative_tokens": k}); `draft` (the MODEL's GGUF run dense, `quantization none`, with the
+same GGUF run quantized as its draft: the pairing the issue names for one file) measured against
+`off-dense` (the same dense target without speculation). Greedy outputs are identical with and
+without speculation (the tests hold that), so each pair of rates is over the same tokens. Reported:
+output tokens/s, the speedup over the mode's baseline, the draft acceptance rate and the mean
+tokens per verifying step. `--disable-by-batch-size` overrides the default cut-off (to measure the
+crossover where speculation stops paying: run with a large value and several batch sizes).
+
+Peer: llama.cpp's `llama-server` (`--peers llama-server`, when built), the same requests through
+/v1/chat/completions (temperature 0, max_tokens, seed 0): without speculation, and with its prompt
+lookup (`--spec-type ngram-simple --spec-draft-n-max k`), started with `-np` = the batch size and
+`-t`/`-tb` = --threads. llama.cpp cannot run this GGUF dense, so its draft-model mode has no
+like-for-like pairing here and is not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench import peers
+from tokenmill.bench import serve as bench_serve
+from tokenmill.bench.procs import load_average, print_load
+from tokenmill.bench.structured import chat_requests, spread_stat
+from tokenmill.bench.workload import context_for
+from tokenmill.errors import TokenmillError
+
+DEFAULT_THREADS = 2
+DEFAULT_BATCH_SIZES = [1, 8, 32]
+DEFAULT_REPEATS = 3
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_K = 4
+MODES = ["off", "ngram", "off-dense", "draft"]
+PEERS = ["llama-server"]
+# The issue's targets (never changed to fit a result): ngram >= 2x batch-1 decode on the grounded
+# workload, >= 0.95x on free generation, and never slower than off at batch 32.
+TARGET_GROUNDED_B1 = 2.0
+TARGET_FREE_B1 = 0.95
+TARGET_B32 = 1.0
+
+SYSTEM = "Session {tag}. You are a helpful assistant."
+GROUNDED = [
+    "Add a docstring to this Python function and return the whole function:\n\n"
+    "def area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError('negative size')\n"
+    "    return width * height\n",
+    'Reformat this JSON with one key per line:\n{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", '
+    '"known_for": ["Analytical Engine", "first program"]}',
+    "Rename the variable `total` to `result` in this code and return the code:\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
+    'Reformat this JSON with one key per line:\n{"city": "Lisbon", "country": "Portugal", "population": 545000, '
+    '"rivers": ["Tagus"], "founded": "before 1200 BC"}',
+    "Add type hints to this Python function and return the whole function:\n\n"
+    "def greet(name, times):\n    for _ in range(times):\n        print('Hello, ' + name)\n    return len(name)\n",
+    "Copy this shopping list and add milk at the end:\n- bread\n- eggs\n- butter\n- apples\n- rice\n- tea",
+]
+FREE = [
+    "Write a short story about a lighthouse keeper.",
+    "Why is the sky blue? Explain for a child.",
+    "Give me three ideas for a weekend trip and why.",
+    "Describe how a bicycle works.",
+    "What makes a good friend? Answer in a paragraph.",
+    "Write a poem about autumn rain.",
+]
+WORKLOADS = {"grounded": GROUNDED, "free": FREE}
+
+
+def add_spec_args(b: argparse.ArgumentParser) -> None:
+    b.set_defaults(threads=DEFAULT_THREADS)   # every engine's thread count, as in `bench compare`
+    g = b.add_argument_group("spec")
+    g.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="tokenmill modes to run")
+    g.add_argument("--batch-sizes", type=int, nargs="+", default=DEFAULT_BATCH_SIZES,
+                   help="requests in flight at once, one run per value")
+    g.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help="runs of each measurement (the median and the spread are reported)")
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="max_tokens of every request")
+    g.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K, help="k: the most proposed tokens per step")
+    g.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config's disable_by_batch_size (default: the engine's)")
+    g.add_argument("--peers", nargs="*", default=PEERS, choices=PEERS,
+                   help="peers to run next to tokenmill (default: llama-server; none: `--peers` alone)")
+    g.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="a llama-server binary (default: $TOKENMILL_LLAMA_SERVER, else the one built into the cache)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per llama-server request")
+    b.add_argument("--output", default="bench-results/spec.json")
+
+
+def messages(workload: str, n: int, run: int) -> list[list[dict[str, str]]]:
+    """n chat requests cycling through the workload's prompts, each tagged with the run."""
+    prompts = WORKLOADS[workload]
+    return [[{"role": "system", "content": SYSTEM.format(tag=f"{run:04d}-{i:03d}")},
+             {"role": "user", "content": prompts[i % len(prompts)]}] for i in range(n)]
+
+
+def run_tag(workload: str, repeat: int) -> int:
+    """The tag of a run: unique within an engine (each run misses its prefix cache), the same for the
+    same run of every mode (so modes answer the same prompts)."""
+    return 10 * list(WORKLOADS).index(workload) + repeat
+
+
+def _requests_per_run(batch: int, workload: str) -> int:
+    """Batch 1: each prompt once (one after another); batch b: b requests at once."""
+    return len(WORKLOADS[workload]) if batch == 1 else batch
+
+
+# ---- tokenmill ----------------------------------------------------------------------------------------
+
+def _engine_kwargs(mode: str, args: argparse.Namespace, model: str, base: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] | None = None
+    if mode == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    elif mode == "draft":
+        spec = {"model": model, "num_speculative_tokens": args.num_speculative_tokens}
+    if spec is not None and args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    kwargs = {**base, "speculative_config": spec}
+    if mode in ("off-dense", "draft"):
+        kwargs["quantization"] = "none"
+    return kwargs
+
+
+def _tokenmill_run(llm: Any, batch: int, workload: str, run: int, max_tokens: int) -> dict[str, Any]:
+    from tokenmill import SamplingParams
+
+    prompts = [llm.chat_prompt(m, True)[1] for m in messages(workload, _requests_per_run(batch, workload), run)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    stats0 = llm.engine.stats()
+    load = load_average()
+    start = time.perf_counter()
+    if batch == 1:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafted = stats.spec_num_draft_tokens - stats0.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - stats0.spec_num_accepted_tokens
+    drafts = stats.spec_num_drafts - stats0.spec_num_drafts
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "requests": len(outs),
+            "draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": drafts,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_per_step": accepted / drafts if drafts else None,
+            "token_ids": [o.outputs[0].token_ids for o in outs], "load_avg_before": load}
+
+
+def tokenmill_modes(args: argparse.Namespace, model: str, base: dict[str, Any], report: dict[str, Any],
+                    save) -> None:
+    from tokenmill import LLM
+
+    for mode in args.modes:
+        results = report["tokenmill"].setdefault(mode, {})
+        for batch in args.batch_sizes:
+            print_load(f"tokenmill {mode}: batch {batch}, loading")
+            llm = LLM(model, **{**_engine_kwargs(mode, args, model, base), "max_num_seqs": batch})
+            _tokenmill_run(llm, 1, "free", 9999, 8)   # warm-up
+            for workload in args.workloads:
+                reps = []
+                for rep in range(args.repeats):
+                    print_load(f"tokenmill {mode}: batch {batch}, {workload}, repeat {rep + 1}/{args.repeats}")
+                    reps.append(_tokenmill_run(llm, batch, workload, run_tag(workload, rep), args.max_tokens))
+                results[f"{workload}/{batch}"] = _summary(reps)
+                save()
+            del llm
+            gc.collect()
+
+
+def _summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    def stat(key: str) -> dict[str, Any] | None:
+        values = [r[key] for r in reps if r[key] is not None]
+        return spread_stat(values) if values else None
+
+    token_ids = [r.pop("token_ids") for r in reps]
+    return {"output_tok_s": stat("output_tok_s"), "output_tokens": stat("output_tokens"),
+            "acceptance_rate": stat("acceptance_rate"), "mean_accepted_per_step": stat("mean_accepted_per_step"),
+            "first_run_token_ids": token_ids[0], "runs": reps}
+
+
+# ---- llama-server ------------------------------------------------------------------------------------
+
+def llama_server_modes(args: argparse.Namespace, binary: str, model: str, slot_ctx: int, report: dict[str, Any],
+                       log_dir: Path, save) -> None:
+    modes = {"off": "", "ngram": f"--spec-type ngram-simple --spec-draft-n-max {args.num_speculative_tokens}"}
+    for mode, extra in modes.items():
+        results = report["llama_server"].setdefault("modes", {}).setdefault(mode, {})
+        for batch in args.batch_sizes:
+            log = log_dir / f"spec-llama-server-{mode}-np{batch}.log"
+            print_load(f"llama-server {mode} -np {batch}: starting")
+            process, base_url = bench_serve.start_llama_server(
+                binary, model, batch, slot_ctx, f"-t {args.threads} -tb {args.threads} {extra}", log)
+            try:
+                bench_serve.wait_ready(base_url, process, bench_serve.SERVER_START_TIMEOUT_S)
+                served = bench_serve.served_model(base_url, None)
+                _llama_run(base_url, served, 1, "free", 9998, 8, args.timeout)
+                for workload in args.workloads:
+                    reps = []
+                    for rep in range(args.repeats):
+                        print_load(f"llama-server {mode}: batch {batch}, {workload}, repeat {rep + 1}/{args.repeats}")
+                        reps.append(_llama_run(base_url, served, batch, workload, run_tag(workload, rep),
+                                               args.max_tokens, args.timeout))
+                    results[f"{workload}/{batch}"] = _summary(reps)
+                    save()
+            finally:
+                bench_serve.stop_process(process)
+
+
+def _llama_run(base_url: str, model: str, batch: int, workload: str, run: int, max_tokens: int,
+               timeout: float) -> dict[str, Any]:
+    bodies = [{"messages": m, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
+              for m in messages(workload, _requests_per_run(batch, workload), run)]
+    load = load_average()
+    responses, elapsed = asyncio.run(chat_requests(base_url, model, bodies, batch, timeout))
+    failed = [r for r in responses if "error" in r or not r.get("choices")]
+    if failed:
+        raise TokenmillError(f"llama-server: {len(failed)} requests failed: {str(failed[0])[:300]}")
+    tokens = sum((r.get("usage") or {}).get("completion_tokens", 0) for r in responses)
+    drafted = sum((r.get("timings") or {}).get("draft_n", 0) for r in responses)
+    accepted = sum((r.get("timings") or {}).get("draft_n_accepted", 0) for r in responses)
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "requests": len(bodies),
+            "draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": None,
+            "acceptance_rate": accepted / drafted if drafted else None, "mean_accepted_per_step": None,
+            "token_ids": [], "load_avg_before": load}
+
+
+# ---- the command -------------------------------------------------------------------------------------
+
+def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.config import engine_args
+    from tokenmill.hub import model_path
+
+    for name in ("repeats", "max_tokens", "num_speculative_tokens", "threads"):
+        if getattr(args, name) is None or getattr(args, name) < 1:
+            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if any(b < 1 for b in args.batch_sizes):
+        raise TokenmillError(f"--batch-sizes: must be >= 1, got {args.batch_sizes}")
+    model = model_path(args.model)
+    args.batch_sizes = sorted(set(args.batch_sizes))
+    out_path = Path(args.output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    bench_start = time.perf_counter()
+    base = {**engine_args(args), "show_progress": False}
+    base.pop("speculative_config", None)
+    base.pop("quantization", None)
+    server = peers.llama_server_status(args.llama_server) if "llama-server" in args.peers else None
+    if server is not None and server.available and not model.endswith(".gguf"):
+        server = peers.PeerStatus(server.name, False, None, None, f"needs a .gguf model, got {model}")
+    if server is not None and not server.available:
+        print(f"skipping llama-server: {server.detail}", flush=True)
+    cfg = {"model": model, "threads": args.threads, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
+           "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+           "disable_by_batch_size": args.disable_by_batch_size, "modes": args.modes, "workloads": args.workloads,
+           "engine_args": base, "cpu_count": os.cpu_count(), "temperature": 0.0,
+           "targets": {"ngram_grounded_batch1": TARGET_GROUNDED_B1, "ngram_free_batch1": TARGET_FREE_B1,
+                       "batch32_not_slower": TARGET_B32}}
+    report: dict[str, Any] = {"config": cfg, "tokenmill": {},
+                              "llama_server": {"status": None if server is None else server.detail}}
+
+    def save(partial: bool = True) -> None:
+        out_path.write_text(json.dumps({**report, "partial": partial}, indent=2, default=str))
+
+    save()
+    tokenmill_modes(args, model, base, report, save)
+    if server is not None and server.available:
+        cfg["llama_server"] = {"binary": server.where, "args": f"-t {args.threads} -tb {args.threads}",
+                               "ngram": f"--spec-type ngram-simple --spec-draft-n-max {args.num_speculative_tokens}"}
+        try:
+            llama_server_modes(args, server.where, model, context_for(1024 + args.max_tokens), report,
+                               out_path.parent, save)
+        except Exception as e:   # a peer that fails is a cell of the table, not the end of the run
+            print(f"  llama-server failed: {type(e).__name__}: {e}", flush=True)
+            report["llama_server"]["error"] = f"{type(e).__name__}: {e}"[:2000]
+    cfg["wall_s"] = time.perf_counter() - bench_start
+    report["table"] = build_table(report)
+    print_report(report)
+    save(partial=False)
+    print(f"wrote {out_path}")
+    return report
+
+
+BASELINE = {"ngram": "off", "draft": "off-dense"}
+
+
+def build_table(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (engine, mode, workload, batch): tok/s, speedup over its baseline, acceptance."""
+    rows = []
+    for engine, modes in (("tokenmill", report["tokenmill"]), ("llama-server", report["llama_server"].get("modes")
+                                                                or {})):
+        for mode, cells in modes.items():
+            for key, cell in cells.items():
+                base = modes.get(BASELINE.get(mode, ""), {}).get(key)
+                rate = cell["output_tok_s"]["median"]
+                same = None if not base or engine != "tokenmill" else \
+                    cell["first_run_token_ids"] == base["first_run_token_ids"]
+                rows.append({"engine": engine, "mode": mode, "workload": key.split("/")[0], "same_tokens": same,
+                             "batch": int(key.split("/")[1]), "tok_s": rate, "spread": cell["output_tok_s"]["spread"],
+                             "speedup": rate / base["output_tok_s"]["median"] if base else None,
+                             "acceptance_rate": (cell["acceptance_rate"] or {}).get("median"),
+                             "mean_accepted_per_step": (cell["mean_accepted_per_step"] or {}).get("median")})
+    return rows
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(f"\nmodel: {cfg['model']}\nthreads: {cfg['threads']} for every engine (of {cfg['cpu_count']} cores); greedy, "
+          f"max_tokens {cfg['max_tokens']}, k = {cfg['num_speculative_tokens']}; each cell the median of "
+          f"{cfg['repeats']} repeats (spread: (max - min) / median); speedup: over off (ngram) or off-dense (draft)")
+    print(f"\n{'engine':<13}{'mode':<10}{'workload':<10}{'batch':>6}{'tok/s':>10}{'spread':>8}{'speedup':>9}"
+          f"{'accept':>8}{'acc/step':>9}")
+    for r in sorted(report["table"], key=lambda r: (r["workload"], r["batch"], r["engine"], r["mode"])):
+        def fmt(x: float | None, f: str) -> str:
+            return "-" if x is None else f.format(x)
+        print(f"{r['engine']:<13}{r['mode']:<10}{r['workload']:<10}{r['batch']:>6}{r['tok_s']:>10.1f}"
+              f"{r['spread']:>8.0%}{fmt(r['speedup'], '{:.2f}x'):>9}{fmt(r['acceptance_rate'], '{:.0%}'):>8}"
+              f"{fmt(r['mean_accepted_per_step'], '{:.2f}'):>9}")
+    differ = [r for r in report["table"] if r["same_tokens"] is False]
+    for r in differ:
+        print(f"note: tokenmill {r['mode']} {r['workload']} batch {r['batch']}: outputs differ from its baseline's")
+    cells = {(r["engine"], r["mode"], r["workload"], r["batch"]): r for r in report["table"]}
+    for label, key, target in [("ngram, grounded, batch 1", ("tokenmill", "ngram", "grounded", 1), TARGET_GROUNDED_B1),
+                               ("ngram, free, batch 1", ("tokenmill", "ngram", "free", 1), TARGET_FREE_B1),
+                               ("ngram, grounded, batch 32", ("tokenmill", "ngram", "grounded", 32), TARGET_B32),
+                               ("ngram, free, batch 32", ("tokenmill", "ngram", "free", 32), TARGET_B32),
+                               ("draft, grounded, batch 32", ("tokenmill", "draft", "grounded", 32), TARGET_B32)]:
+        r = cells.get(key)
+        if r is None or r["speedup"] is None:
+            print(f"target {label} >= {target:.2f}x: not measured")
+            continue
+        met = "met" if r["speedup"] >= target else "NOT met"
+        print(f"target {label} >= {target:.2f}x: {r['speedup']:.2f}x, {met} (gap {r['speedup'] - target:+.2f})")
+    ls = report["llama_server"]
+    if ls.get("error"):
+        print(f"llama-server: error: {ls['error']}")
+    elif not ls.get("modes"):
+        print(f"llama-server: not run ({ls['status'] or 'not asked for: --peers'})")
+    loads = [run["load_avg_before"] for modes in (report["tokenmill"], ls.get("modes") or {})
+             for cells in modes.values() for cell in cells.values() for run in cell["runs"]
+             if run["load_avg_before"] is not None]
+    if loads:
+        print(f"system load average before the runs: {min(loads):.2f}-{max(loads):.2f}")
+    print(f"whole bench {cfg['wall_s']:.0f} s")
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    args.model = args.model_path or args.model
+    report = run_spec_bench(args)
+    return 1 if report["llama_server"].get("error") else 0

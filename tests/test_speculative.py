@@ -85,11 +85,14 @@ def test_ngram_lookup_takes_the_longest_latest_match():
     assert ngram_lookup([7], 1, 3, 4) == []
 
 
-def test_draft_length_follows_the_acceptance_rate():
+def test_draft_length_follows_the_acceptance_rate_and_the_batch():
     assert draft_length(SpecState(accepted=9.9, trials=10.0), 4) == 4
     assert draft_length(SpecState(accepted=0.0, trials=10.0), 4) == 0
     ks = [draft_length(SpecState(accepted=a, trials=10.0), 6) for a in range(11)]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 6
+    # the larger the batch, the dearer a row relative to a request's share of the step
+    by_batch = [draft_length(SpecState(accepted=7.0, trials=10.0), 6, b) for b in (1, 4, 16, 64)]
+    assert by_batch == sorted(by_batch, reverse=True) and by_batch[0] > 0 and by_batch[-1] == 0
 
 
 def test_speculative_config_is_vllms_dict_or_its_json():
@@ -169,10 +172,11 @@ def test_a_seeded_request_gets_the_same_tokens_and_logprobs_with_speculation(tin
     target = tiny_hf_model("llama")
     spec = dict(spec=NGRAM) if proposer == "ngram" else dict(draft=poor_draft)
     params = [SamplingParams(max_tokens=30, seed=100 + i, **options) for i, options in enumerate(SAMPLING_OPTIONS)]
-    prompts = [[1, 5, 9, 5, 9, 5, 9]] * len(params)
-    plain = run(engine(target), prompts, params)
-    eng = engine(target, **spec)
-    fast = run(eng, prompts, params)
+    prompt = [1, 5, 9, 5, 9, 5, 9]
+    plain_eng, eng = engine(target), engine(target, **spec)
+    # one at a time: alone, a request speculates whenever a proposal is likely enough to pay
+    plain = [run(plain_eng, [prompt], p)[0] for p in params]
+    fast = [run(eng, [prompt], p)[0] for p in params]
     assert eng.speculator.stats.num_accepted_tokens > 0
     for a, b in zip(fast, plain, strict=True):
         assert a.output_token_ids == b.output_token_ids

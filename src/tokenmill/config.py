@@ -434,11 +434,11 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
     model: str | None = None
     quantization: str | None = None
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 32
 
     def __post_init__(self) -> None:
         where = "speculative_config"

@@ -110,6 +110,19 @@ def llama_server_status(explicit: str | None = None) -> PeerStatus:
     return PeerStatus(name, True, version, str(path), detail)
 
 
+def llama_server_for(explicit: str | None, wanted: bool, model: str) -> PeerStatus | None:
+    """A bench's llama-server peer: None when not asked for (`wanted`), else its status, unavailable
+    (and said so) when it is not built or the model is not a .gguf file."""
+    if not wanted:
+        return None
+    server = llama_server_status(explicit)
+    if server.available and not model.endswith(".gguf"):
+        server = PeerStatus(server.name, False, None, None, f"needs a .gguf model, got {model}")
+    if not server.available:
+        print(f"skipping llama-server: {server.detail}", flush=True)
+    return server
+
+
 def _read_build_info(folder: Path) -> dict:
     try:
         return json.loads((folder / "build-info.json").read_text())

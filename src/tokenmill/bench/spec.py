@@ -20,7 +20,8 @@ crossover where speculation stops paying: run with a large value and several bat
 
 Peer: llama.cpp's `llama-server` (`--peers llama-server`, when built), the same requests through
 /v1/chat/completions (temperature 0, max_tokens, seed 0): without speculation, and with its prompt
-lookup (`--spec-type ngram-simple --spec-draft-n-max k`), started with `-np` = the batch size and
+lookup (`--llama-spec`, default `--spec-type ngram-mod`, its best of four here; `--spec-draft-n-max k`),
+started with `-np` = the batch size and
 `-t`/`-tb` = --threads. llama.cpp cannot run this GGUF dense, so its draft-model mode has no
 like-for-like pairing here and is not run.
 """
@@ -46,10 +47,13 @@ from tokenmill.errors import TokenmillError
 DEFAULT_THREADS = 2
 DEFAULT_BATCH_SIZES = [1, 8, 32]
 DEFAULT_REPEATS = 3
-DEFAULT_MAX_TOKENS = 128
-DEFAULT_K = 4
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_K = 6
 MODES = ["off", "ngram", "off-dense", "draft"]
 PEERS = ["llama-server"]
+# llama-server's best lookup here: grounded batch-1 decode over its own off, measured once each: ngram-simple
+# 0.81x, ngram-cache 0.84x, ngram-map-k 1.09x, ngram-mod 1.12x
+DEFAULT_LLAMA_SPEC = "--spec-type ngram-mod"
 # The issue's targets (never changed to fit a result): ngram >= 2x batch-1 decode on the grounded
 # workload, >= 0.95x on free generation, and never slower than off at batch 32.
 TARGET_GROUNDED_B1 = 2.0
@@ -59,17 +63,35 @@ TARGET_B32 = 1.0
 SYSTEM = "Session {tag}. You are a helpful assistant."
 GROUNDED = [
     "Add a docstring to this Python function and return the whole function:\n\n"
-    "def area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError('negative size')\n"
-    "    return width * height\n",
-    'Reformat this JSON with one key per line:\n{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", '
-    '"known_for": ["Analytical Engine", "first program"]}',
-    "Rename the variable `total` to `result` in this code and return the code:\n\n"
-    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
+    "def summarize(orders, currency='EUR'):\n    totals = {}\n    for order in orders:\n"
+    "        if order['status'] == 'cancelled':\n            continue\n        customer = order['customer']\n"
+    "        amount = order['quantity'] * order['unit_price']\n        if order.get('discount'):\n"
+    "            amount = amount * (1 - order['discount'])\n"
+    "        totals[customer] = totals.get(customer, 0) + amount\n"
+    "    ranked = sorted(totals.items(), key=lambda item: item[1], reverse=True)\n"
+    "    return [f'{name}: {value:.2f} {currency}' for name, value in ranked]\n",
+    'Reformat this JSON with one key per line and two spaces of indentation:\n{"id": 4821, "name": "Ada Lovelace", '
+    '"born": "1815-12-10", "died": "1852-11-27", "field": "mathematics", "known_for": ["Analytical Engine", '
+    '"first published algorithm", "notes on Menabrea"], "parents": {"father": "Lord Byron", "mother": "Anne '
+    'Isabella Milbanke"}, "city": "London", "country": "United Kingdom"}',
+    "Rename the variable `total` to `result` everywhere in this code and return the code:\n\n"
+    "def weighted_mean(values, weights):\n    if len(values) != len(weights):\n"
+    "        raise ValueError('values and weights differ in length')\n    total = 0.0\n    weight_sum = 0.0\n"
+    "    for value, weight in zip(values, weights):\n        total += value * weight\n"
+    "        weight_sum += weight\n    if weight_sum == 0:\n        return 0.0\n    total = total / weight_sum\n"
+    "    return total\n",
     'Reformat this JSON with one key per line:\n{"city": "Lisbon", "country": "Portugal", "population": 545000, '
-    '"rivers": ["Tagus"], "founded": "before 1200 BC"}',
-    "Add type hints to this Python function and return the whole function:\n\n"
-    "def greet(name, times):\n    for _ in range(times):\n        print('Hello, ' + name)\n    return len(name)\n",
-    "Copy this shopping list and add milk at the end:\n- bread\n- eggs\n- butter\n- apples\n- rice\n- tea",
+    '"area_km2": 100.05, "rivers": ["Tagus"], "founded": "before 1200 BC", "mayor": "Carlos Moedas", '
+    '"districts": ["Alfama", "Baixa", "Belem", "Chiado", "Graca"], "airport": "Humberto Delgado"}',
+    "Add type hints to this Python class and return the whole class:\n\n"
+    "class Inventory:\n    def __init__(self, name):\n        self.name = name\n        self.items = {}\n\n"
+    "    def add(self, item, count):\n        self.items[item] = self.items.get(item, 0) + count\n\n"
+    "    def remove(self, item, count):\n        if self.items.get(item, 0) < count:\n"
+    "            raise KeyError(item)\n        self.items[item] -= count\n\n"
+    "    def total(self):\n        return sum(self.items.values())\n",
+    "Copy this shopping list and add milk at the end:\n- bread (two loaves, whole wheat)\n- eggs (a dozen, free "
+    "range)\n- butter (unsalted)\n- apples (six, green)\n- rice (basmati, 2 kg)\n- tea (black, 100 bags)\n"
+    "- tomatoes (a kilo)\n- olive oil (extra virgin)\n- cheese (cheddar, mature)\n- onions (three)",
 ]
 FREE = [
     "Write a short story about a lighthouse keeper.",
@@ -93,12 +115,17 @@ def add_spec_args(b: argparse.ArgumentParser) -> None:
                    help="runs of each measurement (the median and the spread are reported)")
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="max_tokens of every request")
     g.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K, help="k: the most proposed tokens per step")
+    g.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="speculative_config's prompt_lookup_min for ngram (default: the engine's)")
     g.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative_config's disable_by_batch_size (default: the engine's)")
     g.add_argument("--peers", nargs="*", default=PEERS, choices=PEERS,
                    help="peers to run next to tokenmill (default: llama-server; none: `--peers` alone)")
     g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="a llama-server binary (default: $TOKENMILL_LLAMA_SERVER, else the one built into the cache)")
+    g.add_argument("--llama-spec", default=DEFAULT_LLAMA_SPEC,
+                   help=f"llama-server's speculative flags for its ngram mode (default: {DEFAULT_LLAMA_SPEC!r}; "
+                   "--spec-draft-n-max is added)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per llama-server request")
     b.add_argument("--output", default="bench-results/spec.json")
 
@@ -131,6 +158,8 @@ def _engine_kwargs(mode: str, args: argparse.Namespace, model: str, base: dict[s
         spec = {"model": model, "num_speculative_tokens": args.num_speculative_tokens}
     if spec is not None and args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    if mode == "ngram" and args.prompt_lookup_min is not None:
+        spec["prompt_lookup_min"] = args.prompt_lookup_min
     kwargs = {**base, "speculative_config": spec}
     if mode in ("off-dense", "draft"):
         kwargs["quantization"] = "none"
@@ -145,8 +174,15 @@ def _tokenmill_run(llm: Any, batch: int, workload: str, run: int, max_tokens: in
     stats0 = llm.engine.stats()
     load = load_average()
     start = time.perf_counter()
-    if batch == 1:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    decode_s, outs = 0.0, []
+    if batch == 1:   # one at a time, streamed: the decode time is from the first token to the last
+        for p in prompts:
+            first = None
+            for out in llm.stream(p, params):
+                if first is None and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+            decode_s += time.perf_counter() - first
+            outs.append(out)
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -156,6 +192,8 @@ def _tokenmill_run(llm: Any, batch: int, workload: str, run: int, max_tokens: in
     accepted = stats.spec_num_accepted_tokens - stats0.spec_num_accepted_tokens
     drafts = stats.spec_num_drafts - stats0.spec_num_drafts
     return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "requests": len(outs),
+            # batch 1: tokens after each request's first / the time after it (prefill excluded)
+            "decode_tok_s": (tokens - len(outs)) / decode_s if decode_s else None,
             "draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": drafts,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_per_step": accepted / drafts if drafts else None,
@@ -189,7 +227,8 @@ def _summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
         return spread_stat(values) if values else None
 
     token_ids = [r.pop("token_ids") for r in reps]
-    return {"output_tok_s": stat("output_tok_s"), "output_tokens": stat("output_tokens"),
+    return {"output_tok_s": stat("output_tok_s"), "decode_tok_s": stat("decode_tok_s"),
+            "output_tokens": stat("output_tokens"),
             "acceptance_rate": stat("acceptance_rate"), "mean_accepted_per_step": stat("mean_accepted_per_step"),
             "first_run_token_ids": token_ids[0], "runs": reps}
 
@@ -198,7 +237,7 @@ def _summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def llama_server_modes(args: argparse.Namespace, binary: str, model: str, slot_ctx: int, report: dict[str, Any],
                        log_dir: Path, save) -> None:
-    modes = {"off": "", "ngram": f"--spec-type ngram-simple --spec-draft-n-max {args.num_speculative_tokens}"}
+    modes = {"off": "", "ngram": f"{args.llama_spec} --spec-draft-n-max {args.num_speculative_tokens}"}
     for mode, extra in modes.items():
         results = report["llama_server"].setdefault("modes", {}).setdefault(mode, {})
         for batch in args.batch_sizes:
@@ -235,9 +274,18 @@ def _llama_run(base_url: str, model: str, batch: int, workload: str, run: int, m
     drafted = sum((r.get("timings") or {}).get("draft_n", 0) for r in responses)
     accepted = sum((r.get("timings") or {}).get("draft_n_accepted", 0) for r in responses)
     return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "requests": len(bodies),
+            "decode_tok_s": decode_tok_s(responses) if batch == 1 else None,
             "draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": None,
             "acceptance_rate": accepted / drafted if drafted else None, "mean_accepted_per_step": None,
             "token_ids": [], "load_avg_before": load}
+
+
+def decode_tok_s(responses: list[dict[str, Any]]) -> float | None:
+    """llama-server's own decode rate over sequential requests: its `timings` (predicted_n tokens in
+    predicted_ms after the prompt)."""
+    timings = [r.get("timings") or {} for r in responses]
+    ms = sum(t.get("predicted_ms", 0.0) for t in timings)
+    return sum(t.get("predicted_n", 0) for t in timings) / ms * 1000 if ms else None
 
 
 # ---- the command -------------------------------------------------------------------------------------
@@ -259,14 +307,11 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     base = {**engine_args(args), "show_progress": False}
     base.pop("speculative_config", None)
     base.pop("quantization", None)
-    server = peers.llama_server_status(args.llama_server) if "llama-server" in args.peers else None
-    if server is not None and server.available and not model.endswith(".gguf"):
-        server = peers.PeerStatus(server.name, False, None, None, f"needs a .gguf model, got {model}")
-    if server is not None and not server.available:
-        print(f"skipping llama-server: {server.detail}", flush=True)
+    server = peers.llama_server_for(args.llama_server, "llama-server" in args.peers, model)
     cfg = {"model": model, "threads": args.threads, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
            "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
-           "disable_by_batch_size": args.disable_by_batch_size, "modes": args.modes, "workloads": args.workloads,
+           "disable_by_batch_size": args.disable_by_batch_size, "prompt_lookup_min": args.prompt_lookup_min,
+           "llama_spec": args.llama_spec, "modes": args.modes, "workloads": args.workloads,
            "engine_args": base, "cpu_count": os.cpu_count(), "temperature": 0.0,
            "targets": {"ngram_grounded_batch1": TARGET_GROUNDED_B1, "ngram_free_batch1": TARGET_FREE_B1,
                        "batch32_not_slower": TARGET_B32}}
@@ -280,7 +325,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     tokenmill_modes(args, model, base, report, save)
     if server is not None and server.available:
         cfg["llama_server"] = {"binary": server.where, "args": f"-t {args.threads} -tb {args.threads}",
-                               "ngram": f"--spec-type ngram-simple --spec-draft-n-max {args.num_speculative_tokens}"}
+                               "ngram": f"{args.llama_spec} --spec-draft-n-max {args.num_speculative_tokens}"}
         try:
             llama_server_modes(args, server.where, model, context_for(1024 + args.max_tokens), report,
                                out_path.parent, save)
@@ -307,11 +352,15 @@ def build_table(report: dict[str, Any]) -> list[dict[str, Any]]:
             for key, cell in cells.items():
                 base = modes.get(BASELINE.get(mode, ""), {}).get(key)
                 rate = cell["output_tok_s"]["median"]
+                decode = (cell.get("decode_tok_s") or {}).get("median")
+                base_decode = ((base or {}).get("decode_tok_s") or {}).get("median")
                 same = None if not base or engine != "tokenmill" else \
                     cell["first_run_token_ids"] == base["first_run_token_ids"]
                 rows.append({"engine": engine, "mode": mode, "workload": key.split("/")[0], "same_tokens": same,
                              "batch": int(key.split("/")[1]), "tok_s": rate, "spread": cell["output_tok_s"]["spread"],
                              "speedup": rate / base["output_tok_s"]["median"] if base else None,
+                             "decode_tok_s": decode,
+                             "decode_speedup": decode / base_decode if decode and base_decode else None,
                              "acceptance_rate": (cell["acceptance_rate"] or {}).get("median"),
                              "mean_accepted_per_step": (cell["mean_accepted_per_step"] or {}).get("median")})
     return rows
@@ -322,13 +371,17 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"\nmodel: {cfg['model']}\nthreads: {cfg['threads']} for every engine (of {cfg['cpu_count']} cores); greedy, "
           f"max_tokens {cfg['max_tokens']}, k = {cfg['num_speculative_tokens']}; each cell the median of "
           f"{cfg['repeats']} repeats (spread: (max - min) / median); speedup: over off (ngram) or off-dense (draft)")
+    print("tok/s: output tokens / wall time (prefill included); decode: batch 1, after each first token")
     print(f"\n{'engine':<13}{'mode':<10}{'workload':<10}{'batch':>6}{'tok/s':>10}{'spread':>8}{'speedup':>9}"
-          f"{'accept':>8}{'acc/step':>9}")
+          f"{'decode':>9}{'speedup':>9}{'accept':>8}{'acc/step':>9}")
+
+    def fmt(x: float | None, f: str) -> str:
+        return "-" if x is None else f.format(x)
+
     for r in sorted(report["table"], key=lambda r: (r["workload"], r["batch"], r["engine"], r["mode"])):
-        def fmt(x: float | None, f: str) -> str:
-            return "-" if x is None else f.format(x)
         print(f"{r['engine']:<13}{r['mode']:<10}{r['workload']:<10}{r['batch']:>6}{r['tok_s']:>10.1f}"
-              f"{r['spread']:>8.0%}{fmt(r['speedup'], '{:.2f}x'):>9}{fmt(r['acceptance_rate'], '{:.0%}'):>8}"
+              f"{r['spread']:>8.0%}{fmt(r['speedup'], '{:.2f}x'):>9}{fmt(r['decode_tok_s'], '{:.1f}'):>9}"
+              f"{fmt(r['decode_speedup'], '{:.2f}x'):>9}{fmt(r['acceptance_rate'], '{:.0%}'):>8}"
               f"{fmt(r['mean_accepted_per_step'], '{:.2f}'):>9}")
     differ = [r for r in report["table"] if r["same_tokens"] is False]
     for r in differ:
@@ -340,11 +393,13 @@ def print_report(report: dict[str, Any]) -> None:
                                ("ngram, free, batch 32", ("tokenmill", "ngram", "free", 32), TARGET_B32),
                                ("draft, grounded, batch 32", ("tokenmill", "draft", "grounded", 32), TARGET_B32)]:
         r = cells.get(key)
-        if r is None or r["speedup"] is None:
-            print(f"target {label} >= {target:.2f}x: not measured")
+        speedup = None if r is None else r["decode_speedup"] if r["batch"] == 1 else r["speedup"]
+        what = "decode" if key[3] == 1 else "throughput"
+        if speedup is None:
+            print(f"target {label} {what} >= {target:.2f}x: not measured")
             continue
-        met = "met" if r["speedup"] >= target else "NOT met"
-        print(f"target {label} >= {target:.2f}x: {r['speedup']:.2f}x, {met} (gap {r['speedup'] - target:+.2f})")
+        met = "met" if speedup >= target else "NOT met"
+        print(f"target {label} {what} >= {target:.2f}x: {speedup:.2f}x, {met} (gap {speedup - target:+.2f})")
     ls = report["llama_server"]
     if ls.get("error"):
         print(f"llama-server: error: {ls['error']}")

@@ -410,11 +410,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
     bench_start = time.perf_counter()
     engine_kwargs = {**engine_args(args), "show_progress": False}
 
-    server = peers.llama_server_status(args.llama_server) if "llama-server" in args.peers else None
-    if server is not None and server.available and not model.endswith(".gguf"):
-        server = peers.PeerStatus(server.name, False, None, None, f"needs a .gguf model, got {model}")
-    if server is not None and not server.available:
-        print(f"skipping llama-server: {server.detail}", flush=True)
+    server = peers.llama_server_for(args.llama_server, "llama-server" in args.peers, model)
 
     # The compile times, and the longest prompt (each engine's KV capacity per request).
     print_load(f"schema compile times ({len(cases)} schemas x {args.repeats})")

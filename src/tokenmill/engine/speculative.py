@@ -24,11 +24,13 @@ argmax, no noise) are identical to plain decoding by construction.
 
 Adaptive draft length: each request keeps a decayed count of its proposals accepted and verified
 (`SpecState`), an estimate of the probability a that a proposal is accepted; it takes the k that
-maximizes the expected tokens per step, (1 - a^(k+1)) / (1 - a), over the step's cost, 1 + c k
-(c = ROW_COST, an extra verified row's cost relative to a decode step). Where no k > 0 pays, it
-does not speculate, and tries one token every PROBE_INTERVAL steps to learn whether that changed.
-With more than `disable_by_batch_size` requests running, nobody speculates: the batch's rows
-already use the compute that verification would have used for free.
+maximizes the expected tokens per step, (1 - a^(k+1)) / (1 - a), over its cost. A row costs
+c = ROW_COST of a batch-1 decode step on top of the weights' one read, so a step of B plain rows
+costs 1 + c (B - 1), a request's share of it c + (1 - c) / B, and k proposed rows add c k: the
+larger the batch, the more a proposal must be likely to pay (at B = 1 a > c; at B = 32, a > ~0.85
+for one row). Where no k > 0 pays, the request does not speculate, and tries one token every
+PROBE_INTERVAL steps to learn whether that changed. With more than `disable_by_batch_size`
+requests running, nobody speculates (nor spends the proposers' time).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from tokenmill.sampling.sampler import draw_noise
 
 logger = logging.getLogger(__name__)
 
-ROW_COST = 0.1
+ROW_COST = 0.15
 """The cost of one more verified row, relative to a batch-1 decode step, on the CPU decode path
 (quantized matmuls read the weights once for all rows; see docs/ARCHITECTURE.md for the
 measurement)."""
@@ -72,10 +74,14 @@ def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]
     return []
 
 
-def draft_length(state: SpecState, k_max: int) -> int:
-    """The k in 0..k_max that maximizes expected tokens per step over its cost (module docstring)."""
+def draft_length(state: SpecState, k_max: int, batch: int = 1) -> int:
+    """The k in 0..k_max that maximizes the request's expected tokens per step over its share of
+    the step's cost, with `batch` requests running (module docstring)."""
     a = min(state.accepted / state.trials, 0.99)
-    gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + ROW_COST * k) for k in range(k_max + 1)]
+    # A step of B plain rows costs 1 + c (B - 1) batch-1 steps, a request's share of it c + (1 - c) / B;
+    # its k proposed rows add c k: relative to its share, c' k.
+    c = ROW_COST / (ROW_COST + (1 - ROW_COST) / batch)
+    gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + c * k) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=gains.__getitem__)
 
 
@@ -216,7 +222,7 @@ class Speculator:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
                 continue   # prefilling, or computing tokens a grammar forced
             state = request.spec
-            k = draft_length(state, self.config.num_speculative_tokens)
+            k = draft_length(state, self.config.num_speculative_tokens, len(running))
             if k == 0 and state.idle_steps >= PROBE_INTERVAL:
                 k = 1
             # the proposals and the target's token after them must fit in max_tokens

@@ -223,3 +223,40 @@ def test_progress_bar_shows_on_a_terminal(tiny_gguf_model):
         os.close(controller)
     assert proc.wait(timeout=300) == 0, shown.decode(errors="replace")
     assert b"Loading weights" in shown
+
+
+def test_stats_lines_count_speculative_decoding(tiny_hf_model, caplog, monkeypatch):
+    """With speculation on, a second line per interval gives the interval's acceptance; over the
+    run the lines add up to the engine's counters."""
+    llm = LLM(str(tiny_hf_model("llama")), dtype="float32",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(STEP_DELAY)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    caplog.set_level(logging.INFO, logger=STATS_LOGGER)
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=INTERVAL)
+        engine.start()
+        try:
+            await run_all(engine, [(p, greedy(40)) for p in PROMPTS[:2]], "s")
+            await asyncio.sleep(3 * INTERVAL)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+    totals = llm.engine.stats()
+    assert totals.spec_num_draft_tokens > 0
+    spec_lines = [r for r in stats_lines(caplog) if r.getMessage().startswith("SpecDecoding metrics")]
+    assert spec_lines, "no SpecDecoding line"
+    intervals = [r.engine_stats for r in spec_lines]
+    assert sum(s.spec_num_draft_tokens for s in intervals) == totals.spec_num_draft_tokens
+    assert sum(s.spec_num_accepted_tokens for s in intervals) == totals.spec_num_accepted_tokens
+    for r in spec_lines:
+        s = r.engine_stats
+        rate = re.search(r"Draft acceptance rate: ([\d.]+)%", r.getMessage()).group(1)
+        assert float(rate) == pytest.approx(100 * s.spec_num_accepted_tokens / s.spec_num_draft_tokens, abs=0.06)

@@ -68,7 +68,7 @@ class Request:
     spec_masks: list | None = None         # with a grammar: the mask of each verified row
     spec_noise: torch.Tensor | None = None  # [rows, V] the sampler's noise for its rows (sampled requests)
     spec_noise_states: list[torch.Tensor] | None = None   # its generator's state before each row, and after
-    spec: SpecState = field(default_factory=lambda: SpecState())   # its acceptance so far (adaptive k)
+    spec: SpecState = field(default_factory=SpecState)   # its acceptance so far (adaptive k)
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 

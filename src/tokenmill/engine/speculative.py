@@ -35,7 +35,6 @@ requests running, nobody speculates (nor spends the proposers' time).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,8 +47,6 @@ from tokenmill.engine.request import Request, SpecState
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.sampling import Sampler, SamplingBatch
 from tokenmill.sampling.sampler import draw_noise
-
-logger = logging.getLogger(__name__)
 
 ROW_COST = 0.15
 """The cost of one more verified row, relative to a batch-1 decode step, on the CPU decode path

@@ -86,6 +86,29 @@ def test_ngram_lookup_takes_the_longest_latest_match():
     assert ngram_lookup([7], 1, 3, 4) == []
 
 
+def test_ngram_lookup_equals_trying_each_n_in_turn():
+    """The one-pass lookup == the definition: for n from max_n down, all windows of n compared."""
+    import random
+
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    def by_definition(tokens, min_n, max_n, k):
+        ids = np.asarray(tokens)
+        for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+            hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
+            if hits.size:
+                return ids[hits[-1] + n:hits[-1] + n + k].tolist()
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randint(1, 40))]
+        min_n = rng.randint(1, 4)
+        args = (tokens, min_n, rng.randint(min_n, 6), rng.randint(1, 6))
+        assert ngram_lookup(*args) == by_definition(*args), args
+
+
 def test_draft_length_follows_the_acceptance_rate_and_the_batch():
     assert draft_length(SpecState(accepted=9.9, trials=10.0), 4) == 4
     assert draft_length(SpecState(accepted=0.0, trials=10.0), 4) == 0

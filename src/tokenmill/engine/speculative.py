@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -60,15 +59,22 @@ PROBE_INTERVAL = 16
 
 def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Prompt lookup: for n from max_n down to min_n, find the latest earlier occurrence of the
-    last n tokens; the (up to k) tokens that followed it. [] when none occurs."""
+    last n tokens; the (up to k) tokens that followed it. [] when none occurs.
+
+    One pass: every earlier position holding the last token is a candidate; its match is extended
+    backwards one token at a time (while it still matches, up to max_n), then the longest match
+    wins, the latest among equals."""
     ids = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
-        # windows over ids[:-1]: each ends before the last token, so a token follows it
-        hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ids[start:start + k].tolist()
-    return []
+    last = len(ids) - 1
+    ends = np.flatnonzero(ids[:last] == ids[last])   # candidate match ends, each followed by a token
+    length = np.ones(len(ends), dtype=np.int64)
+    for m in range(1, min(max_n, last)):
+        alive = (length == m) & (ends >= m)
+        length[alive] += ids[ends[alive] - m] == ids[last - m]
+    if not len(ends) or length.max() < min_n:
+        return []
+    end = int(ends[np.flatnonzero(length == length.max())[-1]])
+    return ids[end + 1:end + 1 + k].tolist()
 
 
 def draft_length(state: SpecState, k_max: int, batch: int = 1) -> int:

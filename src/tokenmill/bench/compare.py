@@ -119,15 +119,6 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
 
 # ---- the command ----------------------------------------------------------------------------------------
 
-def _guarded(what: str, fn, *args: Any) -> dict[str, Any]:
-    """fn(*args) for a peer: a peer that fails is a cell of the table, not the end of the run."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        print(f"  {what} failed: {type(e).__name__}: {e}", flush=True)
-        return {"error": f"{type(e).__name__}: {e}"[:4000]}
-
-
 def _check_args(args: argparse.Namespace) -> None:
     check_batch1_args(args)
     for name in ("threads", "num_requests"):
@@ -197,13 +188,13 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "llama.cpp" in args.peers:
         if status["llama_cpp"].available:
             note_load("llama.cpp (llama_cpp.Llama) batch 1")
-            results["llama.cpp"]["batch1"] = _guarded("llama.cpp batch 1", run_bare, batch1.llama_cpp, b1,
+            results["llama.cpp"]["batch1"] = peers.guarded("llama.cpp batch 1", run_bare, batch1.llama_cpp, b1,
                                                       args.timeout * 4)
         else:
             results["llama.cpp"]["batch1"] = {"missing": status["llama_cpp"].detail}
     if "transformers" in args.peers:
         note_load(f"transformers batch 1 ({dtype})")
-        results["transformers"]["batch1"] = _guarded("transformers batch 1", run_spawned, transformers_row,
+        results["transformers"]["batch1"] = peers.guarded("transformers batch 1", run_spawned, transformers_row,
                                                      {**b1, "dtype": dtype})
 
     # ---- concurrent load ----
@@ -241,7 +232,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
                 log = out_path.with_name(f"{out_path.stem}-llama-server.log")
                 cfg["llama_server"] = {"binary": binary, "slots": slots, "ctx_per_slot": ctx_per_slot, "args": extra}
                 note_load(f"llama-server -np {slots}")
-                results["llama.cpp"]["concurrent"] = _guarded(
+                results["llama.cpp"]["concurrent"] = peers.guarded(
                     "llama-server", _serve_run, "llama-server",
                     lambda: bench_serve.start_llama_server(binary, model, slots, ctx_per_slot, extra, log),
                     work, levels, log, args.timeout)
@@ -249,7 +240,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results["llama.cpp"]["concurrent"] = {"missing": status["llama_server"].detail}
         if "transformers" in args.peers:
             note_load(f"transformers static batches of {levels}")
-            row = _guarded("transformers static batches", run_spawned, run_transformers, {
+            row = peers.guarded("transformers static batches", run_spawned, run_transformers, {
                 "model": model, "threads": args.threads, "resolved_dtype": dtype,
                 "resolved_device": "cpu", "peer_num_requests": len(prompts), "prompts": prompts,
                 "output_lens": output_lens, "pad_token_id": b1["pad_token_id"], "hf_batch_sizes": levels})

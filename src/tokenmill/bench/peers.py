@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenmill.errors import TokenmillError
 
@@ -121,6 +122,16 @@ def llama_server_for(explicit: str | None, wanted: bool, model: str) -> PeerStat
     if not server.available:
         print(f"skipping llama-server: {server.detail}", flush=True)
     return server
+
+
+def guarded(what: str, fn, *args: Any) -> Any:
+    """fn(*args) for a peer: a peer that fails is a cell of the table, not the end of the run (its
+    result is then {"error": ...})."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        print(f"  {what} failed: {type(e).__name__}: {e}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"[:4000]}
 
 
 def _read_build_info(folder: Path) -> dict:

@@ -326,12 +326,9 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     if server is not None and server.available:
         cfg["llama_server"] = {"binary": server.where, "args": f"-t {args.threads} -tb {args.threads}",
                                "ngram": f"{args.llama_spec} --spec-draft-n-max {args.num_speculative_tokens}"}
-        try:
-            llama_server_modes(args, server.where, model, context_for(1024 + args.max_tokens), report,
-                               out_path.parent, save)
-        except Exception as e:   # a peer that fails is a cell of the table, not the end of the run
-            print(f"  llama-server failed: {type(e).__name__}: {e}", flush=True)
-            report["llama_server"]["error"] = f"{type(e).__name__}: {e}"[:2000]
+        report["llama_server"].update(peers.guarded("llama-server", llama_server_modes, args, server.where, model,
+                                                    context_for(1024 + args.max_tokens), report, out_path.parent,
+                                                    save) or {})
     cfg["wall_s"] = time.perf_counter() - bench_start
     report["table"] = build_table(report)
     print_report(report)

@@ -444,11 +444,8 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
                                "ctx_per_slot": slot_ctx}
         runs: dict[str, Any] = {}
         report["llama_server"]["batches"] = runs
-        try:
-            llama_server_batches(args, server.where, model, cases, slot_ctx, runs, out_path.parent, save)
-        except Exception as e:   # a peer that fails is a cell of the table, not the end of the run
-            print(f"  llama-server failed: {type(e).__name__}: {e}", flush=True)
-            report["llama_server"]["error"] = f"{type(e).__name__}: {e}"[:2000]
+        report["llama_server"].update(peers.guarded("llama-server", llama_server_batches, args, server.where, model,
+                                                    cases, slot_ctx, runs, out_path.parent, save) or {})
     cfg["wall_s"] = time.perf_counter() - bench_start
     report["table"] = build_table(report)
     print_report(report)

@@ -45,8 +45,8 @@ def llm(tiny_hf_model) -> LLM:
     return LLM(str(tiny_hf_model("llama")), dtype="float32")
 
 
-@pytest.fixture
-def slow_steps(llm, monkeypatch):
+def slow_down(llm: LLM, monkeypatch) -> None:
+    """Every engine step of `llm` STEP_DELAY longer: a burst spans several stats intervals."""
     step = llm.engine.step
 
     def slow_step():
@@ -54,6 +54,11 @@ def slow_steps(llm, monkeypatch):
         return step()
 
     monkeypatch.setattr(llm.engine, "step", slow_step)
+
+
+@pytest.fixture
+def slow_steps(llm, monkeypatch):
+    slow_down(llm, monkeypatch)
 
 
 def stats_lines(caplog) -> list[logging.LogRecord]:
@@ -68,6 +73,23 @@ async def run_all(engine: AsyncEngine, requests: list[tuple[list[int], SamplingP
     """Run `requests` at once; the number of tokens each generated."""
     streams = [await engine.add_request(f"{tag}{i}", None, p, q) for i, (p, q) in enumerate(requests)]
     return list(await asyncio.gather(*(num_generated(s) for s in streams)))
+
+
+def run_logged(llm: LLM, requests: list[tuple[list[int], SamplingParams]], tag: str,
+               interval: float | None = INTERVAL) -> list[int]:
+    """`requests` at once through an AsyncEngine logging stats every `interval`, then three
+    intervals idle (its last line); the number of tokens each generated."""
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=interval)
+        engine.start()
+        try:
+            generated = await run_all(engine, requests, tag)
+            await asyncio.sleep(3 * INTERVAL)
+            return generated
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
 
 
 def rate(message: str, name: str) -> float:
@@ -141,26 +163,9 @@ def test_stats_lines_while_busy_one_when_idle_then_none(llm, slow_steps, caplog)
 def test_stats_lines_count_preemptions(tiny_hf_model, caplog, monkeypatch):
     """A pool too small for the four requests at once preempts some; the lines count each once."""
     llm = LLM(str(tiny_hf_model("llama")), dtype="float32", num_kv_blocks=6)   # each request needs 3 at the end
-    step = llm.engine.step
-
-    def slow_step():
-        time.sleep(STEP_DELAY)
-        return step()
-
-    monkeypatch.setattr(llm.engine, "step", slow_step)
+    slow_down(llm, monkeypatch)
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
-
-    async def main():
-        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=INTERVAL)
-        engine.start()
-        try:
-            generated = await run_all(engine, [(p, greedy(40)) for p in PROMPTS], "p")
-            await asyncio.sleep(3 * INTERVAL)
-            return generated
-        finally:
-            await engine.stop()
-
-    generated = asyncio.run(main())
+    generated = run_logged(llm, [(p, greedy(40)) for p in PROMPTS], "p")
     stats = [r.engine_stats for r in stats_lines(caplog)]
     preemptions = llm.engine.stats().num_preemptions
     assert preemptions > 0
@@ -173,15 +178,7 @@ def test_stats_lines_count_preemptions(tiny_hf_model, caplog, monkeypatch):
 def test_no_stats_lines_when_disabled(llm, slow_steps, caplog):
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
 
-    async def main():
-        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=None)
-        engine.start()
-        try:
-            await run_all(engine, [(PROMPTS[0], greedy(10))], "n")
-        finally:
-            await engine.stop()
-
-    asyncio.run(main())
+    run_logged(llm, [(PROMPTS[0], greedy(10))], "n", interval=None)
     assert stats_lines(caplog) == []
 
 
@@ -230,25 +227,9 @@ def test_stats_lines_count_speculative_decoding(tiny_hf_model, caplog, monkeypat
     run the lines add up to the engine's counters."""
     llm = LLM(str(tiny_hf_model("llama")), dtype="float32",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    step = llm.engine.step
-
-    def slow_step():
-        time.sleep(STEP_DELAY)
-        return step()
-
-    monkeypatch.setattr(llm.engine, "step", slow_step)
+    slow_down(llm, monkeypatch)
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
-
-    async def main():
-        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=INTERVAL)
-        engine.start()
-        try:
-            await run_all(engine, [(p, greedy(40)) for p in PROMPTS[:2]], "s")
-            await asyncio.sleep(3 * INTERVAL)
-        finally:
-            await engine.stop()
-
-    asyncio.run(main())
+    run_logged(llm, [(p, greedy(40)) for p in PROMPTS[:2]], "s")
     totals = llm.engine.stats()
     assert totals.spec_num_draft_tokens > 0
     spec_lines = [r for r in stats_lines(caplog) if r.getMessage().startswith("SpecDecoding metrics")]

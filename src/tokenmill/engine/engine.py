@@ -219,9 +219,9 @@ class LLMEngine:
                 # A preempted request's prompt counts again: it is recomputed.
                 computed = request.num_computed_tokens
                 self.num_prompt_tokens += max(0, min(computed + n, len(request.prompt_token_ids)) - computed)
-                # Rows of rejected proposals roll back (their K/V are not the request's).
-                rejected = len(request.spec_token_ids) + 1 - len(new_tokens.get(request.request_id, ()))
-                request.num_computed_tokens += n - (rejected if request.spec_token_ids else 0)
+                if request.spec_token_ids:   # rows of rejected proposals roll back (their K/V are not the request's)
+                    n -= len(request.spec_token_ids) + 1 - len(new_tokens[request.request_id])
+                request.num_computed_tokens += n
                 if request.spec_token_ids:
                     self.kv.truncate(request)
                 # (accepted proposals are computed before they are appended below)

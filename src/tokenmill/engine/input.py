@@ -180,8 +180,9 @@ def _draft_engine(spec: SpeculativeConfig, config: EngineConfig, tokenizer: Toke
     """The draft model's engine: the target's settings but its own model, quantization and (no
     prefix caching: a shadow's blocks are its own) KV pool; refused unless its tokenizer is the
     target's."""
-    draft_config = dataclasses.replace(config, model=spec.model, tokenizer=None, quantization=spec.quantization,
-                                       speculative_config=None, enable_prefix_caching=False)
+    draft_config = dataclasses.replace(config, model=spec.model, tokenizer=None, chat_template=None,
+                                       quantization=spec.quantization, speculative_config=None,
+                                       enable_prefix_caching=False)
     ckpt, draft_tokenizer, _, _ = _open_model(spec.model, draft_config)
     difference = tokenizer.vocabulary_difference(draft_tokenizer)
     if difference is not None:

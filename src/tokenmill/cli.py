@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenmill.config import add_engine_args, engine_args
@@ -144,6 +144,17 @@ def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _model_bench(bench: Any, name: str, help: str,
+                 add_args: Callable[[argparse.ArgumentParser], None],
+                 func: Callable[[argparse.Namespace], int]) -> None:
+    """A `tokenmill bench NAME [MODEL]` command: every engine flag, then the bench's own."""
+    b = _command(bench, name, help=help)
+    b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_engine_args(b)
+    add_args(b)
+    b.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
     _log_level_flag(parser, "INFO")
@@ -201,12 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=throughput.cmd_throughput)
 
     from tokenmill.bench import roofline
-    b = _command(bench, "roofline", help="bytes and FLOPs per step, this machine's bandwidth and matmul peak, the "
-                         "bound in tokens/s, and the measured tokens/s as a fraction of it")
-    b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    add_engine_args(b)
-    roofline.add_roofline_args(b)
-    b.set_defaults(func=roofline.cmd_roofline)
+    _model_bench(bench, "roofline", "bytes and FLOPs per step, this machine's bandwidth and matmul peak, the "
+                 "bound in tokens/s, and the measured tokens/s as a fraction of it",
+                 roofline.add_roofline_args, roofline.cmd_roofline)
 
     from tokenmill.bench import quality
     b = _command(bench, "quality", help="perplexity and logit error of each quantization mode against the "
@@ -229,20 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=compare.cmd_compare)
 
     from tokenmill.bench import structured
-    b = _command(bench, "structured", help="JSON-schema constrained decoding: output tok/s vs the same tokens "
-                         "unconstrained, jump-forward savings, schema compile time, outputs valid; vs llama-server")
-    b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    add_engine_args(b)
-    structured.add_structured_args(b)
-    b.set_defaults(func=structured.cmd_structured)
+    _model_bench(bench, "structured", "JSON-schema constrained decoding: output tok/s vs the same tokens "
+                 "unconstrained, jump-forward savings, schema compile time, outputs valid; vs llama-server",
+                 structured.add_structured_args, structured.cmd_structured)
+
+    from tokenmill.bench import monitor
+    _model_bench(bench, "monitor", "the live view's cost: output tok/s with its feed unwatched, watched, and "
+                 "removed (bare), and the feed's time as a fraction of step time",
+                 monitor.add_monitor_args, monitor.cmd_monitor)
 
     from tokenmill.bench import spec
-    b = _command(bench, "spec", help="speculative decoding: output tok/s off / ngram / draft model on an "
-                 "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup")
-    b.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    add_engine_args(b)
-    spec.add_spec_args(b)
-    b.set_defaults(func=spec.cmd_spec)
+    _model_bench(bench, "spec", "speculative decoding: output tok/s off / ngram / draft model on an "
+                 "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup",
+                 spec.add_spec_args, spec.cmd_spec)
     return parser
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_cac
 from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.snapshot import EngineSnapshot, StepRecord, scheduled_rows, step_record, take_snapshot
 from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 # 4 GiB (and never more than max_num_seqs full-length requests can use).
 DEFAULT_KV_FRACTION = 0.25
 DEFAULT_KV_CAP = 4 << 30
+FINISHED_LOG_SIZE = 4096
 
 
 def available_memory(device: torch.device) -> int:
@@ -127,6 +131,12 @@ class LLMEngine:
         self.num_prompt_tokens = 0       # cumulative, for stats(): the periodic server log's throughputs
         self.num_generation_tokens = 0
         self.num_forced_tokens = 0       # of which appended by jump-forward, without a model step
+        self.num_steps = 0               # steps that ran the model
+        self.last_step: StepRecord | None = None
+        # (request_id, finish_reason) of the latest finished requests, numbered from 1 by num_finished,
+        # for watchers (server/monitor.py) that read them between steps
+        self.finished_log: deque[tuple[int, str, str]] = deque(maxlen=FINISHED_LOG_SIZE)
+        self.num_finished = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("memory plan: weights %.1f MiB (%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
                     "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
@@ -191,12 +201,15 @@ class LLMEngine:
         seeded generators are rewound first, so greedy and seeded survivors get exactly the tokens
         the whole step would have given them); a request that fails alone too ends with finish_reason
         "error". A failure while appending a request's token ends that request alone."""
+        start = time.monotonic()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        scheduled = self.scheduler.schedule().scheduled
+        schedule = self.scheduler.schedule()
+        scheduled = schedule.scheduled
         if not scheduled:
             self._end_speculation({})
             return []
+        rows = scheduled_rows(scheduled)
         generator_states = [(r.generator, r.generator.get_state()) for r, n in scheduled
                             if r.generator is not None and r.num_computed_tokens + n == r.num_tokens]   # samples now
         failed: list[Request] = []
@@ -236,6 +249,10 @@ class LLMEngine:
                     break
                 self._append(request, token.token_id, token.logprob, token.top_logprobs)
         self._jump_forward([request for request, _ in results if request.grammar is not None])
+        self.num_steps += 1
+        self.last_step = step_record(self.num_steps, start, time.monotonic() - start,
+                                     self.scheduler.max_num_batched_tokens, rows, len(schedule.preempted),
+                                     len(self.scheduler.running), len(self.scheduler.waiting))
         return failed + [request for request, _ in results]
 
     def _end_speculation(self, new_tokens: dict[str, list]) -> None:
@@ -325,6 +342,8 @@ class LLMEngine:
         self.finish_request(request_id, "abort")
 
     def _release(self, request: Request) -> None:
+        self.num_finished += 1
+        self.finished_log.append((self.num_finished, request.request_id, request.finish_reason))
         if self.speculator is not None:
             self.speculator.verified(request, 0)   # (a no-op unless it ended mid-step)
             self.speculator.release(request)
@@ -337,6 +356,12 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every request's state and each KV block's holder, for a live view. Between steps only."""
+        return take_snapshot(self.num_steps, self.scheduler.running, self.scheduler.waiting, self.pool.ref_count,
+                             self.pool.cached_free_blocks(), self.config.block_size, self.scheduler.max_num_seqs,
+                             self.scheduler.max_num_batched_tokens)
 
     def stats(self) -> EngineStats:
         """The engine's state now, for monitoring (the server's /metrics). Only lengths and

@@ -61,6 +61,10 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks that still hold a cached prefix (revived on a hit, else evicted when handed out)."""
+        return [block for block in self.block_hash if self.ref_count[block] == 0]
+
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 

@@ -6,6 +6,7 @@ uvicorn server around it (read timeouts, draining shutdown).
     GET  /health        200 once the model is loaded, 503 while loading or shutting down (HEAD too)
     GET  /metrics       Prometheus text (see metrics.py)
     POST /tokenize, /detokenize
+    GET  /, /engine     the web UI: a chat playground, and the engine live (see web.py)
 
 The model loads in the background after the socket opens, so /health can say "loading".
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}, a 500 included, and
@@ -56,6 +57,7 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from tokenmill.server.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +269,8 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
                                             "max_model_len": max_len}]}
 
     app.include_router(v1)
+    add_web_routes(app, config, state.ready_engine, check_api_key,
+                   lambda request: read_body(request, config.max_body_bytes, config.request_read_timeout))
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' probes
     async def health() -> JSONResponse:
@@ -392,14 +396,19 @@ class DrainingServer(uvicorn.Server):
     the handlers still running: a stream is cut mid-chunk, with no error event and no [DONE], and
     every cancelled handler logs a traceback. Here, `drain_timeout` seconds into the shutdown,
     `on_drain_timeout` runs (it ends the engine's requests with an error, so every handler finishes
-    by itself); uvicorn's own timeout (`timeout_graceful_shutdown`, set longer) stays the backstop."""
+    by itself); uvicorn's own timeout (`timeout_graceful_shutdown`, set longer) stays the backstop.
+    `on_shutdown` runs as the shutdown begins (it ends the live view's feeds, which never end by
+    themselves)."""
 
-    def __init__(self, config: uvicorn.Config, drain_timeout: float, on_drain_timeout: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, drain_timeout: float, on_drain_timeout: Callable[[], None],
+                 on_shutdown: Callable[[], None]):
         super().__init__(config)
         self.drain_timeout = drain_timeout
         self.on_drain_timeout = on_drain_timeout
+        self.on_shutdown = on_shutdown
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_shutdown()
         timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.on_drain_timeout)
         try:
             await super().shutdown(sockets)
@@ -424,8 +433,9 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
 
     def on_ready() -> None:
         print(f"tokenmill: serving {config.served_model_name!r} at {base_url} (OpenAI API under /v1). Try:\n"
-              f"  {curl_example(base_url, config.served_model_name, bool(config.api_key))}", file=sys.stderr,
-              flush=True)
+              f"  {curl_example(base_url, config.served_model_name, bool(config.api_key))}\n"
+              f"or open {base_url}/ in a browser (a chat playground; the engine, live: {base_url}/engine)",
+              file=sys.stderr, flush=True)
 
     def on_load_error(error: BaseException) -> None:
         server.should_exit = True
@@ -439,12 +449,17 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
         engine.fail_all(EngineStoppedError(f"the server is shutting down and ended this request, still running "
                                            f"after --shutdown-timeout ({shutdown_timeout:g} s)"))
 
+    def end_feeds() -> None:   # (a live view's stream never ends by itself: the drain would wait for it)
+        engine = app.state.tokenmill.engine
+        if engine is not None:
+            engine.monitor.close()
+
     app = create_app(config, on_ready=on_ready, on_load_error=on_load_error)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        http=HeaderTimeoutH11Protocol.with_timeout(config.request_read_timeout),
                        timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S),
-        shutdown_timeout, drain)
+        shutdown_timeout, drain, end_feeds)
     # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it to the previous handler
     # once done; a no-op handler there makes that a clean exit instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

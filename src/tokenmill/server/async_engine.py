@@ -34,6 +34,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.outputs import RequestOutput, snapshot_output
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.monitor import EngineMonitor
 
 logger = logging.getLogger(__name__)
 # A logger of its own so that the periodic line can be silenced alone (its level set to WARNING)
@@ -167,12 +168,15 @@ class AsyncEngine:
     counts n) are in flight; `add_request` raises QueueFullError past that instead of queueing
     without limit.
 
-    `stats_log_interval`: seconds between the INFO stats lines logged while busy (None: none)."""
+    `stats_log_interval`: seconds between the INFO stats lines logged while busy (None: none).
+
+    `executor`: the one thread to step the engine in (the thread that loaded it, ideally: see
+    engine_thread); `stop` shuts it down unless `keep_executor` (its owner steps more engines in it)."""
 
     def __init__(self, engine: LLMEngine, inputs: InputProcessor, max_queued_requests: int,
                  metrics: ServerMetrics | None = None,
                  executor: ThreadPoolExecutor | None = None,
-                 stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL):
+                 stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL, keep_executor: bool = False):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or \
                 max_queued_requests < 0:
             raise TokenmillError(f"max_queued_requests must be an integer >= 0, got {max_queued_requests!r}")
@@ -187,7 +191,8 @@ class AsyncEngine:
         self.capacity = self.engine.config.max_num_seqs + max_queued_requests
         self.metrics = metrics
         self._processor = OutputProcessor(engine, inputs.tokenizer)
-        self._executor = executor or engine_thread()  # the thread that loaded `engine`, ideally
+        self._executor = executor or engine_thread()
+        self._keep_executor = keep_executor and executor is not None
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[str] = []
@@ -201,6 +206,7 @@ class AsyncEngine:
         self._stats_task: asyncio.Task | None = None
         self._busy = asyncio.Event()   # set by the loop when it steps; cleared by the stats task once idle
         self._busy_since = 0.0
+        self.monitor = EngineMonitor(engine, self._wake.set)   # the live view's feed (GET /engine/feed)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -214,6 +220,7 @@ class AsyncEngine:
     async def stop(self) -> None:
         """Abort whatever is still in flight, stop the loop and its thread."""
         self._stopping = True
+        self.monitor.close()
         self._wake.set()
         if self._task is not None:
             await self._task
@@ -226,7 +233,8 @@ class AsyncEngine:
         self._pending_adds.clear()
         for request_id in list(self._streams):
             self._abort_now(request_id, EngineStoppedError("the server is shutting down"))
-        self._executor.shutdown(wait=True)
+        if not self._keep_executor:
+            self._executor.shutdown(wait=True)
 
     @property
     def is_running(self) -> bool:
@@ -288,6 +296,7 @@ class AsyncEngine:
             self._wake.clear()
             try:
                 self._apply_pending()
+                self.monitor.between_steps()
                 if not self._processor.has_unfinished():
                     await self._wake.wait()
                     continue
@@ -296,6 +305,7 @@ class AsyncEngine:
                     self._busy.set()
                 outputs = await loop.run_in_executor(self._executor, self._step)
                 self._dispatch(outputs, time.monotonic())
+                self.monitor.after_step()
 
             except Exception as e:   # a bug outside any one request (LLMEngine.step isolates those): fail all
                 logger.exception("engine step failed; aborting %d requests", len(self._streams))
@@ -388,10 +398,13 @@ class AsyncEngine:
         if new > 0:
             if stream.first_token_time is None:
                 stream.first_token_time = now
+                self.monitor.observe("ttft", now - stream.arrival_time, now)
                 if m is not None:
                     m.ttft.observe(now - stream.arrival_time)
-            elif m is not None:
-                m.itl.observe(now - stream.last_token_time)
+            else:
+                self.monitor.observe("itl", now - stream.last_token_time, now)
+                if m is not None:
+                    m.itl.observe(now - stream.last_token_time)
             stream.last_token_time = now
             if m is not None:
                 m.generation_tokens.inc(new)

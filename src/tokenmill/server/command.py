@@ -37,6 +37,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S,
                    help="seconds a client has to send a request's headers (else the connection is closed) and "
                    "then its body (else 408)")
+    g.add_argument("--allow-burst", action="store_true",
+                   help="let the engine page (/engine) send bursts of generated requests (its \"break it\" panel); "
+                   "for a local server: anyone who can reach it can load it")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -68,5 +71,6 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     served_name = args.served_model_name or (Path(model).name if Path(model).expanduser().exists() else model)
     config = ServerConfig(model=path, served_model_name=served_name,
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
-                          max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout)
+                          max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout,
+                          allow_burst=args.allow_burst)
     return run_server(config, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)

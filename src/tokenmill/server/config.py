@@ -21,3 +21,4 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S   # seconds for headers, and for a body
+    allow_burst: bool = False           # POST /engine/burst (the engine page's "break it" panel)

@@ -253,6 +253,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return _template_kwargs(kwargs)
 
 
+class BurstRequest(_Body):
+    """POST /engine/burst: `requests` generated prompts of `prompt_tokens` random token ids, the first
+    `shared_prefix` fraction of them the same in every prompt, each generating `output_tokens`."""
+    requests: int = Field(ge=1, le=256)
+    prompt_tokens: int = Field(ge=1)
+    output_tokens: int = Field(ge=1)
+    shared_prefix: float = Field(default=0.0, ge=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0)
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None

@@ -197,3 +197,26 @@ def test_nobody_watching_collects_nothing(llm):
 
     monitor = asyncio.run(main())
     assert monitor.num_frames == 0 and monitor.overhead_s == 0 and not monitor.ttft and not monitor.itl
+
+
+def test_a_failing_feed_ends_its_streams_and_no_request(llm, monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("snapshot bug")
+
+    monkeypatch.setattr(llm.engine, "snapshot", broken)
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.inputs, max_queued_requests=8, stats_log_interval=None)
+        engine.start()
+        try:
+            subscription = engine.monitor.subscribe()
+            stream = await engine.add_request("a", None, burst(3)[0], greedy(8))
+            outputs = [out async for out in stream]
+            return outputs[-1], await asyncio.wait_for(subscription.queue.get(), 5), engine.monitor.watching
+        finally:
+            await engine.stop()
+
+    last, frame, watching = asyncio.run(main())
+    assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 8
+    assert frame is None and not watching
+    assert "the live view's feed failed" in caplog.text

@@ -108,6 +108,11 @@ def raw_text(reply) -> str:
     return reply.locator(".content").text_content()
 
 
+def test_serve_prints_the_pages_address(server):
+    assert f"or open {server.base}/ in a browser (a chat playground; the engine, live: {server.base}/engine)" \
+        in server.log()
+
+
 def test_playground_streams_the_apis_greedy_reply(server, page, shots):
     question = "What is the capital of France? Answer in one sentence."
     expected = openai.OpenAI(base_url=server.base + "/v1", api_key="unused").chat.completions.create(
@@ -229,7 +234,7 @@ def test_api_key_is_asked_for_kept_in_the_tab_and_used(keyed_server, page, brows
     dialog.get_by_role("button", name="Save").click()
     page.wait_for_function("document.querySelector('#key-dialog .reason').textContent.includes('refused')")
     dialog.locator("input").fill(KEY)
-    dialog.get_by_role("button", name="Save").click()
+    page.keyboard.press("Enter")   # (the keyboard way: Enter in the field saves)
     page.wait_for_function("document.getElementById('model').textContent.startsWith('model: ')")
     chat(page, "hi", max_tokens="4")
     assert "4 tokens" in last_reply(page).locator(".stats").text_content()

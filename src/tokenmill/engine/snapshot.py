@@ -50,7 +50,7 @@ def scheduled_rows(scheduled: list[tuple[Request, int]]) -> tuple[ScheduledRow, 
     prefill."""
     rows = []
     for request, n in scheduled:
-        decoding = request.output_token_ids and \
+        decoding = bool(request.output_token_ids) and \
             request.num_computed_tokens >= request.num_tokens - 1 - request.num_forced_pending
         rows.append(ScheduledRow(request.request_id, "decode" if decoding else "prefill", n))
     return tuple(rows)
@@ -113,6 +113,6 @@ def take_snapshot(step: int, running: list[Request], waiting: list[Request], ref
         held = requests[i].block_ids[requests[i].num_released_blocks:]
         if held:
             owner[np.asarray(held, dtype=np.int64)] = i
-    return EngineSnapshot(step, [request_view(r) for r in requests], owner, np.asarray(ref_count, dtype=np.int32),
-                          block_size, max_num_seqs,
+    refs = np.asarray(ref_count, dtype=np.int32)
+    return EngineSnapshot(step, [request_view(r) for r in requests], owner, refs, block_size, max_num_seqs,
                           max_num_batched_tokens)

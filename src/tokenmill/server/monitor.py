@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +27,8 @@ import numpy as np
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.snapshot import CACHED_FREE, FREE, StepRecord
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_FEED_INTERVAL = 0.25   # seconds between frames while the engine steps
 IDLE_FRAME_INTERVAL = 1.0      # while it idles (the handler asks for one when nothing came this long)
@@ -112,8 +115,11 @@ class EngineMonitor:
         self._wake()
 
     def close(self) -> None:
-        """End every feed (the server is shutting down)."""
+        """End every feed, and take no more subscribers (the server is shutting down)."""
         self._closed = True
+        self._end_feeds()
+
+    def _end_feeds(self) -> None:
         for subscription in self._subscribers:
             subscription.put(None)
         self._subscribers.clear()
@@ -126,9 +132,26 @@ class EngineMonitor:
     # ---- called by the engine loop ------------------------------------------------------------
 
     def after_step(self) -> None:
-        if not self._subscribers:
-            return
+        if self._subscribers:
+            self._guarded(self._collect)
+
+    def between_steps(self) -> None:
+        """Before the loop waits or steps: publish a frame asked for, or the last one before idling."""
+        if self._subscribers and (self._frame_requested or (self._steps and not self.engine.has_unfinished())):
+            self._guarded(self._publish)
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """Runs `work`, counting its time; a failure ends the feeds, never reaches the engine loop
+        (where it would fail every request)."""
         start = time.perf_counter()
+        try:
+            work()
+        except Exception:
+            logger.exception("the live view's feed failed; ending its streams")
+            self._end_feeds()
+        self.overhead_s += time.perf_counter() - start
+
+    def _collect(self) -> None:
         record = self.engine.last_step
         if record is not None and record.step > self._last_step:
             self._last_step = record.step
@@ -138,16 +161,6 @@ class EngineMonitor:
                     self._phases[row.request_id] = row.kind
         if time.monotonic() - self._last_frame >= self.interval:
             self._publish()
-        self.overhead_s += time.perf_counter() - start
-
-    def between_steps(self) -> None:
-        """Before the loop waits or steps: publish a frame asked for, or the last one before idling."""
-        if not self._subscribers or not (self._frame_requested or self._steps):
-            return
-        if self._frame_requested or not self.engine.has_unfinished():
-            start = time.perf_counter()
-            self._publish()
-            self.overhead_s += time.perf_counter() - start
 
     # ---- frames -------------------------------------------------------------------------------
 

@@ -43,6 +43,10 @@ const tm = {
       <label>Key (kept in this tab only) <input type="password" autocomplete="off" name="key"></label>
       <div class="buttons"><button value="cancel" formnovalidate>Cancel</button>
         <button value="save" class="primary">Save</button></div></form>`;
+    // Enter in the field saves (the form's implicit submission would press its first button: Cancel).
+    dialog.querySelector("input").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") { e.preventDefault(); dialog.close("save"); }
+    });
     document.body.append(dialog);
     return dialog;
   },

@@ -1,5 +1,6 @@
 """BlockPool and KVCacheManager on CPU, with no model: exact block ids, reference counts, LRU
-eviction, revival of cached blocks, chained prefix hashes and all-or-nothing slot allocation.
+eviction, revival of cached blocks, chained prefix hashes and all-or-nothing slot allocation; and
+the pool's memory, resident only where written.
 
 The last test is a hypothesis state machine that drives the pool with random allocate / share /
 free / cache calls against a plain model of it and checks the pool's invariants after every call.
@@ -8,11 +9,13 @@ free / cache calls against a plain model of it and checks the pool's invariants 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, hash_block
+from tokenmill.config import ModelConfig
+from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, hash_block, kv_bytes_per_token
 from tokenmill.engine.request import Request
 from tokenmill.sampling import SamplingParams
 
@@ -60,6 +63,28 @@ def test_allocate_hands_out_blocks_in_order_and_counts_refs():
     check_pool(pool)
 
 
+def resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_cpu_pool_is_zero_and_resident_only_where_written(dtype):
+    cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                      head_dim=64, intermediate_size=8, max_position_embeddings=64, norm_eps=1e-6)
+    num_blocks = 8192   # 4 layers x 2 x 8192 blocks x 16 tokens x 2 heads x 64: 512 MiB in bf16
+    before = resident_mib()
+    caches = allocate_kv_caches(cfg, num_blocks, 16, dtype, torch.device("cpu"))
+    assert sum(c.numel() * c.element_size() for c in caches) == kv_bytes_per_token(cfg, dtype) * num_blocks * 16
+    assert all(c.shape == (2, num_blocks, 16, 2, 64) and c.dtype == dtype for c in caches)
+    for c in caches:
+        c[:, :4] = 1.0    # the first 4 blocks of every layer
+    assert resident_mib() - before < 32, "unwritten blocks became resident"
+    for c in caches:
+        assert (c[:, :4] == 1).all() and (c[:, 4:].sum() == 0)   # (summing touches them: read last)
+        assert c.data_ptr() % 4096 == 0
+
+
 def test_allocate_more_than_free_raises_and_changes_nothing():
     pool = BlockPool(3)
     pool.allocate(2)
@@ -70,12 +95,25 @@ def test_allocate_more_than_free_raises_and_changes_nothing():
     assert pool.allocate(0) == []
 
 
-def test_free_releases_in_reverse_table_order():
+def test_free_releases_cached_blocks_in_reverse_table_order_behind_the_unused_ones():
     pool = BlockPool(5)
     table = pool.allocate(3)            # [0, 1, 2]; free queue [3, 4]
+    for block in table:
+        pool.cache(block, bytes([block]))
     pool.free(table)
     assert list(pool.free_queue) == [3, 4, 2, 1, 0]
-    assert pool.allocate(5) == [3, 4, 2, 1, 0]   # the tail of the freed table goes first
+    assert pool.allocate(5) == [3, 4, 2, 1, 0]   # never-used blocks, then the freed table's tail first
+
+
+def test_blocks_freed_holding_nothing_are_handed_out_before_never_used_ones():
+    """So that the pool's memory becomes resident only as far as blocks ever held something."""
+    pool = BlockPool(6)
+    table = pool.allocate(3)            # [0, 1, 2]; free queue [3, 4, 5]
+    pool.cache(table[0], b"h")          # a full block, cached; 1 and 2 hold nothing reusable
+    pool.free(table)
+    assert list(pool.free_queue) == [1, 2, 3, 4, 5, 0]
+    assert pool.allocate(2) == [1, 2]   # reused before 3, 4, 5 are ever touched
+    assert pool.lookup(b"h") == 0       # and the cached block is kept longest
 
 
 def test_share_and_free_count_references():
@@ -191,17 +229,18 @@ def test_allocate_slots_returns_false_and_changes_nothing_when_short():
     # 2 revived + 3 new (17 tokens = 5 blocks) > 4 free.
     assert not manager.allocate_slots(request, 9, cached)
     assert pool_state(pool) == before and request.block_ids == table
-    # 2 revived + 1 new (12 tokens) fits, and takes exactly those blocks.
+    # 2 revived + 1 new (12 tokens) fits, and takes exactly those blocks: the new one is other's
+    # partial block 2 (it holds nothing reusable), before block 3, never used.
     assert manager.allocate_slots(request, 4, cached)
-    assert request.block_ids == [0, 1, 3]
-    assert pool.ref_count == [1, 1, 0, 1] and pool.lookup(other.block_hashes[1]) == 1
+    assert request.block_ids == [0, 1, 2]
+    assert pool.ref_count == [1, 1, 1, 0] and pool.lookup(other.block_hashes[1]) == 1
     # Growing a running request: false when short, with nothing changed.
     request.num_computed_tokens = 12
     big = make_request([7] * 4, "big")
-    computed(manager, big, 4)                      # takes block 2, the last free one
+    computed(manager, big, 4)                      # takes block 3, the last free one
     before = pool_state(pool)
     assert not manager.allocate_slots(request, 1)
-    assert pool_state(pool) == before and request.block_ids == [0, 1, 3]
+    assert pool_state(pool) == before and request.block_ids == [0, 1, 2]
     check_pool(pool)
 
 
@@ -231,8 +270,9 @@ def test_shared_prefix_blocks_are_reference_counted_and_freed():
     assert pool.ref_count[:4] == [1, 1, 0, 1] and first.block_ids == [] and first.num_cached_blocks == 0
     manager.free(second)
     assert pool.num_free == pool.num_blocks
-    # Freed in reverse table order: first's tail 2, then second's tail 3, then the shared head 1, 0.
-    assert list(pool.free_queue)[-4:] == [2, 3, 1, 0]
+    # The partial tails (nothing reusable) first, second's (freed last) before first's; then the
+    # blocks never used; then the cached shared head, in reverse table order.
+    assert list(pool.free_queue) == [3, 2, 4, 5, 6, 7, 1, 0]
     check_pool(pool)
 
 
@@ -314,10 +354,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if not self.holders:
             return
         blocks = self.holders.pop(data.draw(st.integers(0, len(self.holders) - 1)))
-        tail = list(self.pool.free_queue)
+        queue = list(self.pool.free_queue)
         self.pool.free(blocks)
         released = [b for b in reversed(blocks) if self.pool.ref_count[b] == 0]
-        assert list(self.pool.free_queue) == tail + released
+        empty = [b for b in released if b not in self.pool.block_hash]    # to the front, the latest first
+        assert list(self.pool.free_queue) == empty[::-1] + queue + [b for b in released if b not in empty]
 
     @rule(data=st.data())
     def cache(self, data):

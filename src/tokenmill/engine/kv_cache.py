@@ -10,6 +10,8 @@ the same blocks, shared through reference counts.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 from array import array
 from collections import OrderedDict
 
@@ -26,8 +28,25 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer. On the CPU each is
+    an anonymous memory mapping: the OS hands its pages out zeroed when first written, so the pool
+    costs resident memory only for the blocks requests have used (a one-shot generation touches a
+    few blocks of a pool sized for a server). Zeroed matters: the reference attention reads the
+    unwritten tail of a request's last block (masked, but 0 x NaN would still be NaN)."""
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    return [lazy_zeros(shape, dtype) for _ in range(cfg.num_layers)]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages become resident only when written (MAP_ANONYMOUS memory is
+    zero-filled on first touch, and page-aligned)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)   # (the tensor keeps the mapping alive)
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -45,8 +64,11 @@ class BlockPool:
       - every block is either in use (ref_count > 0) or in `free_queue` (ref_count == 0), never both;
       - a free block may still hold cached K/V (it has a hash in `cached`): it can be revived by a
         later request with the same prefix, until it is handed out again, which evicts its hash;
-      - `free_queue` is in eviction order: blocks are handed out from the front; a freed block goes
-        to the back, so the least recently used cached blocks are evicted first;
+      - `free_queue` is in hand-out order, from the front: blocks freed holding nothing reusable (no
+        cached hash; the latest freed first), then blocks never used yet, then blocks holding cached
+        prefixes, least recently freed first (LRU eviction). A used block that holds nothing goes
+        before a never-used one so that the pool's resident memory (allocate_kv_caches: pages
+        become resident when first written) grows only with the blocks that held something;
       - a block that is shared (ref_count > 1) is full and cached; nobody writes into it.
     """
 
@@ -97,6 +119,8 @@ class BlockPool:
             assert self.ref_count[block] >= 0, f"block {block} freed twice"
             if self.ref_count[block] == 0:
                 self.free_queue[block] = None
+                if block not in self.block_hash:   # nothing to keep: handed out next
+                    self.free_queue.move_to_end(block, last=False)
 
     def cache(self, block: int, block_hash: bytes) -> None:
         """Register a full block under its hash (first writer wins for duplicate content)."""

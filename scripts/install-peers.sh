@@ -11,7 +11,7 @@
 # what is missing with apt-get, otherwise it takes cmake from PyPI.
 #
 # Usage: scripts/install-peers.sh [PYTHON]   (default: .venv/bin/python when it exists, else python3)
-# Environment: JOBS (parallel compile jobs, default: all cores), TOKENMILL_CACHE (cache root).
+# Environment: JOBS (parallel compile jobs, default: all cores), TOKENMILL_CACHE_DIR (cache root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

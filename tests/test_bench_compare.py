@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench import peers
+from tokenmill.cache import CACHE_DIR_ENV
 from tokenmill.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def test_the_peers_extra_pins_the_version_the_server_is_built_from():
 
 
 def test_llama_server_status_cache_and_override(tmp_path, monkeypatch):
-    monkeypatch.setenv(peers.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(peers.LLAMA_SERVER_ENV, raising=False)
     status = peers.llama_server_status()
     assert not status.available and "not built" in status.detail and "build-llama-server" in status.detail
@@ -155,7 +156,7 @@ def test_llama_server_status_cache_and_override(tmp_path, monkeypatch):
 
 
 def test_peers_command_status_exit_code(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(peers.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(peers.LLAMA_SERVER_ENV, raising=False)
     assert peers.main(["status"]) == 1
     assert "MISSING" in capsys.readouterr().out

@@ -531,6 +531,9 @@ class EngineConfig:
     quantization: str | None = setting(None, "default: GGUF quantized weights run quantized (CPU); none: "
                                        "dequantize everything; int8 | int4: also quantize dense weights at load",
                                        choices=tuple(m for m in QUANTIZATION_MODES if m))
+    weight_cache: bool = setting(True, "keep quantized weights converted at load (GGUF blocks repacked for the "
+                                 "kernels, int8 / int4 quantization) in the cache folder, and read them there on the "
+                                 "next load of the same file instead of converting again")
     speculative_config: SpeculativeConfig | dict | str | None = setting(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} (prompt "
         "lookup; prompt_lookup_min / prompt_lookup_max bound the n-gram) or {\"model\": DRAFT, "

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cache import cache_root
 from tokenmill.errors import TokenmillError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # the one pin of both peers (pyproject's `peers` extra must match)
@@ -49,7 +50,6 @@ LLAMA_SERVER_CMAKE_FLAGS = [
 # The flags for pip's build of llama-cpp-python (CMAKE_ARGS): native code, no multimodal library.
 LLAMA_CPP_PYTHON_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
 LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"    # an explicit llama-server binary (wins over the cache)
-CACHE_ENV = "TOKENMILL_CACHE"                  # default: ~/.cache/tokenmill
 
 INSTALL_HINT = "scripts/install-peers.sh (both peers), or: pip install -e .[peers] (llama_cpp only)"
 SERVER_HINT = ("scripts/install-peers.sh, or: python -m tokenmill.bench.peers build-llama-server "
@@ -66,8 +66,7 @@ class PeerStatus:
 
 
 def peers_dir() -> Path:
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tokenmill")
-    return root / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    return cache_root() / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
 
 
 def cached_llama_server() -> Path:

@@ -94,7 +94,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, runs_quantized(ckpt, config.quantization, self.device))
         self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
-                                                   config.quantization, config.max_model_len)
+                                                   config.quantization, config.max_model_len, config.weight_cache)
         self.eos_token_ids = eos_token_ids
         mc: ModelConfig = self.model_config
         quantized = any(isinstance(m, QuantWeight) for m in self.model.modules())

@@ -13,7 +13,7 @@ Each .c file is its own translation unit compiled against kernels.h (every expor
 plan struct) and the helper headers simd.h / norm.h / attention.h; all of them link into one library.
 
 The C sources ship with the package; they are compiled once per machine with the system's C compiler
-(`cc`, or $CC) into a cache folder ($TOKENMILL_CACHE_DIR, else ~/.cache/tokenmill) and reused.
+(`cc`, or $CC) into the cache folder (tokenmill/cache.py: kernels/) and reused.
 The build links OpenMP by soname, so at run time it shares the runtime PyTorch already loaded (one
 thread pool, not two). Without a compiler the callers fall back to their PyTorch path: `load()`
 returns None and says why in the log, once.
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:

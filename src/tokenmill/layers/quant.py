@@ -92,9 +92,6 @@ class QuantWeight(nn.Module):
 
     def __init__(self, q: BlockQuant, dtype: torch.dtype):
         super().__init__()
-        self.dtype = dtype
-        self.bits = q.bits
-        self.out_features, self.in_features = q.u.shape
         n, k = q.u.shape
         if k % GROUP_SIZE:
             raise ValueError(f"in_features {k} is not a multiple of {GROUP_SIZE}")
@@ -109,10 +106,32 @@ class QuantWeight(nn.Module):
         else:  # [tile, group, j, row, 4 inputs]: chunk j in the low nibble, chunk j + 4 in the high
             v = u.view(tiles, TILE_ROWS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
             packed = v[..., 0] | (v[..., 1] << 4)
-        self.packed = nn.Parameter(packed.contiguous().view(-1), requires_grad=False)
-        self.scales, self.offsets = (
-            nn.Parameter(t.view(tiles, TILE_ROWS, groups).transpose(1, 2).to(torch.float16).contiguous(),
-                         requires_grad=False) for t in (d, m))
+        scales, offsets = (t.view(tiles, TILE_ROWS, groups).transpose(1, 2).to(torch.float16).contiguous()
+                           for t in (d, m))
+        self._hold(packed.contiguous().view(-1), scales, offsets, n, k, q.bits, dtype)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
+                    in_features: int, bits: int, dtype: torch.dtype) -> QuantWeight:
+        """A weight packed before (its `packed`, `scales`, `offsets` saved: models/weight_cache.py)."""
+        weight = cls.__new__(cls)
+        nn.Module.__init__(weight)
+        weight._hold(packed, scales, offsets, out_features, in_features, bits, dtype)
+        return weight
+
+    def _hold(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
+              in_features: int, bits: int, dtype: torch.dtype) -> None:
+        tiles, groups = -(-out_features // TILE_ROWS), in_features // GROUP_SIZE
+        expected = ((torch.uint8, (tiles * TILE_ROWS * in_features * bits // 8,)),
+                    (torch.float16, (tiles, groups, TILE_ROWS)), (torch.float16, (tiles, groups, TILE_ROWS)))
+        for what, t, (want_dtype, want_shape) in zip(("packed", "scales", "offsets"), (packed, scales, offsets),
+                                                     expected, strict=True):
+            if t.dtype != want_dtype or tuple(t.shape) != want_shape:
+                raise ValueError(f"{what}: {tuple(t.shape)} {t.dtype}, expected {want_shape} {want_dtype} for a "
+                                 f"[{out_features}, {in_features}] {bits}-bit weight")
+        self.dtype, self.bits, self.out_features, self.in_features = dtype, bits, out_features, in_features
+        self.packed, self.scales, self.offsets = (nn.Parameter(t, requires_grad=False)
+                                                  for t in (packed, scales, offsets))
 
     def extra_repr(self) -> str:
         return f"out={self.out_features}, in={self.in_features}, bits={self.bits}"

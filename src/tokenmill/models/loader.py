@@ -43,7 +43,7 @@ from tokenmill.errors import CheckpointError, TokenmillError
 from tokenmill.layers.gguf_quant import FOUR_BIT_TYPES, gguf_to_blocks
 from tokenmill.layers.linear import Embedding, Linear
 from tokenmill.layers.quant import GROUP_SIZE, BlockQuant, QuantWeight, kernel_available, quantize
-from tokenmill.models import get_model_class
+from tokenmill.models import get_model_class, weight_cache
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +52,12 @@ Shard = torch.Tensor | GGUFBlocks
 
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
                show_progress: bool = False, quantization: str | None = None,
-               max_model_len: int | None = None) -> tuple[nn.Module, ModelConfig]:
+               max_model_len: int | None = None, use_weight_cache: bool = False) -> tuple[nn.Module, ModelConfig]:
     """The model and its config. `max_model_len` below the checkpoint's context builds the model for
     that context: rotary tables of that length, and the rope choices that depend on it (longrope's
-    factor set, dynamic NTK) made for it, as llama.cpp makes them for its context size."""
+    factor set, dynamic NTK) made for it, as llama.cpp makes them for its context size.
+    `use_weight_cache`: read quantized weights converted by an earlier load of the same checkpoint,
+    or keep them for the next one (models/weight_cache.py); CPU quantized loads only."""
     quantization = _check_quantization(quantization, device)
     architecture = ckpt.architecture
     if isinstance(ckpt, GGUFCheckpoint) and architecture == "llama" and ckpt.metadata.get("llama.expert_count"):
@@ -67,17 +69,30 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
         config = cls.config_from_hf(ConfigFields(ckpt.config, str(ckpt.path / "config.json")))
     if max_model_len is not None and max_model_len < config.max_position_embeddings:
         config = dataclasses.replace(config, max_position_embeddings=max_model_len)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-    fill_parameters(model, model.checkpoint_tensors(ckpt), len(ckpt.tensor_names()),
-                    str(ckpt.path), show_progress, quantization, dtype)
+
+    def build() -> nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                return cls(config)
+        finally:
+            torch.set_default_dtype(previous)
+
+    model = build()
+    entry = None
+    if use_weight_cache and device.type == "cpu" and quantization != "none":
+        entry = weight_cache.entry_path(ckpt.path, cls.__name__, quantization, dtype)
+    cached = entry is not None and entry.exists()
+    if cached and not weight_cache.load(model, entry, dtype):
+        cached, model = False, build()   # (the failed read may have changed it)
+    if not cached:
+        fill_parameters(model, model.checkpoint_tensors(ckpt), len(ckpt.tensor_names()),
+                        str(ckpt.path), show_progress, quantization, dtype)
+        if entry is not None and weight_forms(model).keys() - {"dense"}:
+            weight_cache.save(model, entry)
     model.eval()
-    logger.info("weights (quantization %s): %s", quantization,
+    logger.info("weights (quantization %s%s): %s", quantization, f", read from {entry}" if cached else "",
                 ", ".join(f"{form} x{count}" for form, count in weight_forms(model).items()))
     return model, config
 

@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "removed (bare), and the feed's time as a fraction of step time",
                  monitor.add_monitor_args, monitor.cmd_monitor)
 
+    from tokenmill.bench import startup
+    b = _command(bench, "startup", help="cold start (process start to first token) and peak RSS of a one-shot "
+                 "`tokenmill generate`, warm, without the weight cache and first ever; vs llama.cpp")
+    startup.add_startup_args(b)
+    b.set_defaults(func=startup.cmd_startup)
+
     from tokenmill.bench import spec
     _model_bench(bench, "spec", "speculative decoding: output tok/s off / ngram / draft model on an "
                  "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup",

@@ -98,6 +98,31 @@ def print_load(what: str) -> None:
     print(f"[load average {'-' if load is None else f'{load:.2f}'}] {what} ...", flush=True)
 
 
+# ---- timing a command ------------------------------------------------------------------------------------
+
+def timed_command(cfg: Row) -> Row:
+    """Runs cfg["command"] (with cfg["env"] added to the environment) to its end: seconds from its
+    start to its first byte on stdout, to its exit, and its peak resident memory (its own rusage:
+    run it from a small process, e.g. through run_bare, since a child's ru_maxrss starts at its
+    parent's size when it was forked)."""
+    env = {**os.environ, **cfg.get("env", {})}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cfg["command"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(1)
+    first_output_s = time.perf_counter() - start if first else None
+    stderr = []
+    reader = threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    output = first + proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join()
+    return {"first_output_s": first_output_s, "wall_s": time.perf_counter() - start,
+            "child_peak_rss_mib": usage.ru_maxrss / 1024, "returncode": proc.returncode,
+            "stdout_tail": output.decode(errors="replace")[-300:],
+            "stderr_tail": b"".join(stderr).decode(errors="replace")[-2000:]}
+
+
 # ---- running a function in a fresh process ------------------------------------------------------------
 
 def _with_peak_rss(fn: Callable[..., Row], *args: Any) -> Row:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # One thread: on a loaded 2-core machine, two threads per engine mostly wait for each other.
 SMALL = ["--threads", "1", "--dtype", "float32", "--device", "cpu", "--prefill-lens", "16", "64",
          "--decode-tokens", "8", "--repeats", "1", "--num-requests", "4", "--input-len-range", "4", "16",
-         "--output-len-range", "2", "8"]
+         "--output-len-range", "2", "8", "--decode-heavy-concurrency", "2", "--concurrent-repeats", "2"]
 
 
 def _missing(name: str, detail: str) -> peers.PeerStatus:
@@ -49,27 +49,36 @@ def test_compare_without_llama_cpp_still_runs_the_others(tiny_gguf_model, tmp_pa
     report = json.loads(out.read_text())
     rows = _rows(report)
     assert list(rows) == ["prefill_16_tok_s", "prefill_64_tok_s", "decode_tok_s", "concurrent_2_out_tok_s",
-                          "concurrent_4_out_tok_s", "batch1_peak_rss_mib", "concurrent_peak_rss_mib"]
+                          "concurrent_4_out_tok_s", "decode_heavy_2_out_tok_s", "batch1_peak_rss_mib",
+                          "concurrent_peak_rss_mib"]
     for key, row in rows.items():
-        for engine in ("tokenmill", "transformers"):
-            assert isinstance(row[engine], float) and row[engine] > 0, (key, engine, row[engine])
-        assert row["llama.cpp"] == ("not built" if key.startswith("concurrent") else "not installed"), key
+        assert isinstance(row["tokenmill"], float) and row["tokenmill"] > 0, (key, row["tokenmill"])
+        if key.startswith("decode_heavy"):
+            assert row["transformers"] is None   # (no server: it runs the mixed workload only)
+        else:
+            assert isinstance(row["transformers"], float) and row["transformers"] > 0, (key, row["transformers"])
+        served = key.startswith(("concurrent", "decode_heavy"))
+        assert row["llama.cpp"] == ("not built" if served else "not installed"), key
         assert row["ratio"] is None and row["met"] is None
+        assert (row["spreads"]["tokenmill"] is not None) == (served and "rss" not in key), key
     assert rows["decode_tok_s"]["target"] == 1.0 and rows["prefill_16_tok_s"]["target"] is None
     # the table, the missing peers and how to install them, the load average before each run
     assert "tm/llama.cpp" in printed and "not installed" in printed and "scripts/install-peers.sh" in printed
     assert ">= 1x (no llama.cpp number)" in printed
-    # before each of the 4 runs (tokenmill and transformers, batch 1 and concurrent) and each served level
-    assert printed.count("[load average") == 6
+    # before each of the 4 runs (tokenmill and transformers, batch 1 and concurrent) and each served run
+    # (3 levels, 2 repeats each)
+    assert printed.count("[load average") == 10
     assert set(report["load_average_before"]) == {"tokenmill batch 1", "transformers batch 1 (float32)",
                                                   "tokenmill serve", "transformers static batches of [2, 4]"}
 
-    # every request completed with exactly its output length, at each level, through the server
+    # every request completed with exactly its output length, at each level, in every run, through the server
     served = report["results"]["tokenmill"]["concurrent"]["levels"]
-    assert set(served) == {"2", "4"}
-    for level in served.values():
-        assert level["completed"] == 4 and level["failed"] == 0 and level["short_outputs"] == 0
-        assert level["output_tokens"] == sum(report["output_lens"])
+    assert set(served) == {"mixed/2", "mixed/4", "decode-heavy/2"}
+    for name, level in served.items():
+        assert level["failed"] == 0 and level["short_outputs"] == 0 and len(level["runs"]) == 2
+        for run in level["runs"]:
+            asked = sum(report["output_lens"]) if name.startswith("mixed") else 4 * 128
+            assert run["completed"] == 4 and run["output_tokens"] == asked
     hf = report["results"]["transformers"]["concurrent"]
     assert sorted(r["batch_size"] for r in hf["per_batch_size"]) == [2, 4]
     # same prompt ids, same fp32 weights: the same greedy tokens (the model parity tests' claim)
@@ -98,7 +107,11 @@ def test_transformers_peer_runs_the_dense_dtype(tiny_gguf_model, tmp_path):
                     reason="the llama.cpp peers are not installed (scripts/install-peers.sh)")
 def test_compare_with_llama_cpp(tiny_gguf_model, tmp_path, capsys):
     out = tmp_path / "compare.json"
-    rc = main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *SMALL, "--concurrency", "2",
+    # (outputs of 8+ tokens: a random model's 2 tokens may decode to no text, which the load generator
+    # cannot time, and counts as failed)
+    small = [*SMALL[:SMALL.index("--output-len-range")], "--output-len-range", "8", "12",
+             *SMALL[SMALL.index("--output-len-range") + 3:]]
+    rc = main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *small, "--concurrency", "2",
                "--peers", "llama.cpp", "--output", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -110,8 +123,8 @@ def test_compare_with_llama_cpp(tiny_gguf_model, tmp_path, capsys):
         if row["target"] is not None:
             assert row["met"] == (row["ratio"] >= row["target"])
     assert "met" in printed and "llama-server -np 2" in printed
-    level = report["results"]["llama.cpp"]["concurrent"]["levels"]["2"]
-    assert level["completed"] == 4 and level["output_tokens"] == sum(report["output_lens"])
+    level = report["results"]["llama.cpp"]["concurrent"]["levels"]["mixed/2"]
+    assert all(run["completed"] == 4 and run["output_tokens"] == sum(report["output_lens"]) for run in level["runs"])
     assert report["results"]["llama.cpp"]["batch1"]["version"] == peers.LLAMA_CPP_PYTHON_VERSION
     assert 1 <= report["greedy_agreement"]["llama.cpp"] <= 8   # at least the first token: the same model
 

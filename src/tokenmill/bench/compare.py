@@ -10,12 +10,16 @@ What is measured, each engine in its own process, one after the other:
   `LLM` API, llama.cpp through llama-cpp-python's `Llama` (`batch1.llama_cpp`, in a process that
   does not import torch, whose ~200 MiB would count as llama.cpp's memory), and `transformers`
   `generate`.
-- concurrent load (`--concurrency`, default 8 and 32): total output tokens/s on the mixed
-  workload of `bench throughput` (lengths drawn with a fixed seed, greedy, ignore_eos), streamed
-  through the load generator of `bench serve` to `tokenmill serve` and to llama.cpp's C++
-  `llama-server` (`-np` = the largest concurrency, continuous batching, the same KV capacity for
-  both). `transformers` has no server: it runs the same requests as static batches of C
-  (`bench throughput`'s runner).
+- concurrent load, two workloads, each level `--concurrent-repeats` times with fresh prompts (the
+  median and the spread reported): the mixed workload of `bench throughput` (`--concurrency`,
+  default 8 and 32: lengths drawn with a fixed seed, mostly prompt tokens) and a decode-heavy one
+  (`--decode-heavy-concurrency`, default 8, 32, 64: 2 x C requests of 32 prompt tokens and 128
+  output tokens), greedy, ignore_eos, streamed through the load generator of `bench serve` to
+  `tokenmill serve` and to llama.cpp's C++ `llama-server`, started for each level with `-np` = that
+  level (continuous batching; -c = level x the context a request needs; tokenmill's pool holds as
+  many tokens for the largest level). A request that gets fewer or more tokens than asked is shown
+  in the table and fails the command. `transformers` has no server: it runs the mixed requests as
+  static batches of C (`bench throughput`'s runner).
 - peak resident memory of each engine's process (batch-1 process; server or batch process).
 
 A peer that is not installed is a column saying so (and the command says how to install it); the
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,10 +53,16 @@ from tokenmill.errors import TokenmillError
 
 DEFAULT_THREADS = 2
 DEFAULT_CONCURRENCY = [8, 32]
+DEFAULT_DECODE_HEAVY_CONCURRENCY = [8, 32, 64]
+DECODE_HEAVY_PROMPT_LEN = 32
+DECODE_HEAVY_OUTPUT_LEN = 128
+DEFAULT_CONCURRENT_REPEATS = 3
 DEFAULT_NUM_REQUESTS = 32    # per concurrency level; `bench throughput`'s issue size is 64 (--num-requests 64)
 ENGINES = ["tokenmill", "llama.cpp", "transformers"]
-# The issue's targets, as tokenmill / llama.cpp ratios in the same run: (row key, minimum ratio).
-TARGETS = {"prefill_512_tok_s": 2.0, "decode_tok_s": 1.0, "concurrent_32_out_tok_s": 3.0}
+WORKLOADS = {"mixed": "concurrent", "decode-heavy": "decode_heavy"}   # workload -> its rows' key prefix
+# The issues' targets, as tokenmill / llama.cpp ratios in the same run: (row key, minimum ratio).
+TARGETS = {"prefill_512_tok_s": 2.0, "decode_tok_s": 1.0, "concurrent_32_out_tok_s": 3.0,
+           "decode_heavy_32_out_tok_s": 4.0, "decode_heavy_64_out_tok_s": 4.0}
 
 
 def add_compare_args(b: argparse.ArgumentParser) -> None:
@@ -63,7 +74,12 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--peers", nargs="*", default=["llama.cpp", "transformers"], choices=ENGINES[1:],
                    help="peers to run next to tokenmill (default: both)")
     g.add_argument("--concurrency", type=int, nargs="*", default=DEFAULT_CONCURRENCY,
-                   help="concurrent-load levels (none: batch 1 only)")
+                   help="concurrency levels of the mixed workload (none: no mixed rows)")
+    g.add_argument("--decode-heavy-concurrency", type=int, nargs="*", default=DEFAULT_DECODE_HEAVY_CONCURRENCY,
+                   help=f"concurrency levels of the decode-heavy workload: 2 x C requests of {DECODE_HEAVY_PROMPT_LEN} "
+                   f"prompt and {DECODE_HEAVY_OUTPUT_LEN} output tokens (none: no decode-heavy rows)")
+    g.add_argument("--concurrent-repeats", type=int, default=DEFAULT_CONCURRENT_REPEATS,
+                   help="runs of each concurrent level, fresh prompts each (the median and the spread are reported)")
     g.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS,
                    help="requests per concurrency level (the issue's workload size: 64)")
     g.add_argument("--seed", type=int, default=0, help="seed of the request lengths and prompts")
@@ -91,10 +107,10 @@ def _drive(base_url: str, prompts: list[list[int]], output_lens: list[int], conc
     return bench_serve.summarize(results, elapsed)
 
 
-def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_path: Path,
+def _serve_run(name: str, start, work: dict[str, Any], levels: set[int] | None, log_path: Path,
                timeout: float) -> dict[str, Any]:
-    """Start a server (`start()` -> (process, base_url)), warm it up, drive each level, read its peak
-    RSS, stop it."""
+    """Start a server (`start()` -> (process, base_url)), warm it up, drive each workload's levels
+    (those in `levels`; None: all) `work["repeats"]` times, read its peak RSS, stop it."""
     process, base_url = start()
     row: dict[str, Any] = {"engine": name, "levels": {}}
     try:
@@ -103,18 +119,35 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: list[int], log_pa
         row["ready_s"] = time.perf_counter() - t0
         _drive(base_url, work["warmup_prompts"], [4] * len(work["warmup_prompts"]), len(work["warmup_prompts"]),
                work["seed"], timeout)
-        for level in levels:
-            print_load(f"{name}: {len(work['prompts'])} requests at concurrency {level}")
-            # Each level gets prompts of its own: a server must not answer one level from its prompt cache of
-            # the level before (both tokenmill and llama-server cache prompts).
-            row["levels"][str(level)] = _drive(base_url, work["level_prompts"][level], work["output_lens"], level,
-                                               work["seed"], timeout)
+        for workload, spec in work["workloads"].items():
+            for level in spec["levels"]:
+                if levels is not None and level not in levels:
+                    continue
+                runs = []
+                for rep in range(work["repeats"]):
+                    print_load(f"{name}: {workload}, {len(spec['output_lens'][level])} requests at concurrency "
+                               f"{level}, repeat {rep + 1}/{work['repeats']}")
+                    # Fresh prompts for every run: a server must not answer one run from its prompt cache of
+                    # the one before (both tokenmill and llama-server cache prompts).
+                    runs.append(_drive(base_url, spec["prompts"][level][rep], spec["output_lens"][level], level,
+                                       work["seed"], timeout))
+                row["levels"][f"{workload}/{level}"] = level_summary(runs)
         row["peak_rss_mib"] = vm_hwm_mib(process.pid)
     finally:
         code = bench_serve.stop_process(process)
         if code not in (0, None, -15):
             print(f"  {name} exited with status {code}; its log: {log_path}", flush=True)
     return row
+
+
+def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A level's repeated runs: output tok/s median and spread ((max - min) / median), and the
+    requests that failed or got the wrong number of tokens, over all runs."""
+    rates = [r["output_tok_s"] for r in runs]
+    median = statistics.median(rates)
+    return {"output_tok_s": median, "spread": (max(rates) - min(rates)) / median if median else 0.0,
+            "failed": sum(r["failed"] for r in runs), "short_outputs": sum(r["short_outputs"] for r in runs),
+            "runs": runs}
 
 
 # ---- the command ----------------------------------------------------------------------------------------
@@ -124,8 +157,11 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("threads", "num_requests"):
         if getattr(args, name) < 1:
             raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if any(c < 1 for c in args.concurrency):
-        raise TokenmillError(f"--concurrency: must be >= 1, got {args.concurrency}")
+    for name in ("concurrency", "decode_heavy_concurrency"):
+        if any(c < 1 for c in getattr(args, name)):
+            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.concurrent_repeats < 1:
+        raise TokenmillError(f"--concurrent-repeats: must be >= 1, got {args.concurrent_repeats}")
 
 
 def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,13 +175,15 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not Path(model).is_file() or not model.endswith(".gguf"):
         raise TokenmillError(f"--model: bench compare needs a .gguf file (llama.cpp runs it too), got {model!r}")
     levels = sorted(set(args.concurrency))
+    dh_levels = sorted(set(args.decode_heavy_concurrency))
+    all_levels = sorted(set(levels) | set(dh_levels))
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     bench_start = time.perf_counter()
 
     # Which peers are there.
     server_status = peers.llama_server_status(args.llama_server)
-    if "llama.cpp" in args.peers and levels and args.build_peers and not server_status.available:
+    if "llama.cpp" in args.peers and all_levels and args.build_peers and not server_status.available:
         peers.build_llama_server()
         server_status = peers.llama_server_status(args.llama_server)
     status = {"llama_cpp": peers.llama_cpp_python_status(), "llama_server": server_status}
@@ -160,12 +198,14 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     lengths = make_lengths(args.num_requests, input_range, output_range, seed)
     prompts = make_prompts(tokenizer, [i for i, _ in lengths], seed)
     output_lens = [o for _, o in lengths]
-    ctx_per_slot = context_for(input_range[1] + output_range[1])
-    slots = max(levels) if levels else 1
+    ctx_per_slot = context_for(max(input_range[1] + output_range[1], DECODE_HEAVY_PROMPT_LEN + DECODE_HEAVY_OUTPUT_LEN))
+    slots = max(all_levels) if all_levels else 1
     cfg: dict[str, Any] = {
         "model": model, "threads": args.threads, "peers": args.peers, "prefill_lens": args.prefill_lens,
         "decode_tokens": args.decode_tokens, "decode_prompt_len": DEFAULT_DECODE_PROMPT_LEN,
         "repeats": args.repeats, "concurrency": levels, "num_requests": args.num_requests, "seed": seed,
+        "decode_heavy_concurrency": dh_levels, "decode_heavy_prompt_len": DECODE_HEAVY_PROMPT_LEN,
+        "decode_heavy_output_len": DECODE_HEAVY_OUTPUT_LEN, "concurrent_repeats": args.concurrent_repeats,
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "output_tokens": sum(output_lens), "batch1_n_ctx": b1["n_ctx"], "server_slots": slots,
         "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(),
@@ -198,10 +238,21 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                      {**b1, "dtype": dtype})
 
     # ---- concurrent load ----
-    if levels:
-        work = {"prompts": prompts, "output_lens": output_lens, "seed": seed,
-                "level_prompts": {c: make_prompts(tokenizer, [len(p) for p in prompts], seed, tag=f"Level {c} request")
-                                  for c in levels},
+    if all_levels:
+        repeats = args.concurrent_repeats
+
+        def fresh(lengths: list[int], level: int, workload: str) -> list[list[list[int]]]:
+            return [make_prompts(tokenizer, lengths, seed, tag=f"{workload} {level}.{rep} request")
+                    for rep in range(repeats)]
+
+        workloads = {
+            "mixed": {"levels": levels, "output_lens": {c: output_lens for c in levels},
+                      "prompts": {c: fresh([len(p) for p in prompts], c, "Mixed") for c in levels}},
+            "decode-heavy": {"levels": dh_levels,
+                             "output_lens": {c: [DECODE_HEAVY_OUTPUT_LEN] * (2 * c) for c in dh_levels},
+                             "prompts": {c: fresh([DECODE_HEAVY_PROMPT_LEN] * (2 * c), c, "Decode-heavy")
+                                         for c in dh_levels}}}
+        work = {"workloads": workloads, "seed": seed, "repeats": repeats,
                 "warmup_prompts": make_prompts(tokenizer, [16] * 2, seed, tag="Warm-up")}
         serve_args = argparse.Namespace(**vars(args))
         if serve_args.num_kv_blocks is None and serve_args.kv_cache_memory is None:
@@ -223,29 +274,39 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         note_load("tokenmill serve")
         results["tokenmill"]["concurrent"] = _serve_run(
-            "tokenmill", start_tokenmill, work, levels, out_path.with_name(f"{out_path.stem}-tokenmill.log"),
+            "tokenmill", start_tokenmill, work, None, out_path.with_name(f"{out_path.stem}-tokenmill.log"),
             args.timeout)
         if "llama.cpp" in args.peers:
             if status["llama_server"].available:
                 binary = status["llama_server"].where
                 extra = f"-t {args.threads} -tb {args.threads}"
                 log = out_path.with_name(f"{out_path.stem}-llama-server.log")
-                cfg["llama_server"] = {"binary": binary, "slots": slots, "ctx_per_slot": ctx_per_slot, "args": extra}
-                note_load(f"llama-server -np {slots}")
-                results["llama.cpp"]["concurrent"] = peers.guarded(
-                    "llama-server", _serve_run, "llama-server",
-                    lambda: bench_serve.start_llama_server(binary, model, slots, ctx_per_slot, extra, log),
-                    work, levels, log, args.timeout)
+                cfg["llama_server"] = {"binary": binary, "slots": "the level's concurrency",
+                                       "ctx_per_slot": ctx_per_slot, "args": extra}
+                merged: dict[str, Any] = {"engine": "llama-server", "levels": {}, "peak_rss_mib": 0.0}
+                for level in all_levels:   # -np = the level: a server per level
+                    note_load(f"llama-server -np {level}")
+                    row = peers.guarded(
+                        f"llama-server -np {level}", _serve_run, "llama-server",
+                        lambda level=level: bench_serve.start_llama_server(binary, model, level, ctx_per_slot, extra,
+                                                                           log),
+                        work, {level}, log, args.timeout)
+                    if "error" in row:
+                        merged = row
+                        break
+                    merged["levels"].update(row["levels"])
+                    merged["peak_rss_mib"] = max(merged["peak_rss_mib"], row["peak_rss_mib"] or 0.0)
+                results["llama.cpp"]["concurrent"] = merged
             else:
                 results["llama.cpp"]["concurrent"] = {"missing": status["llama_server"].detail}
-        if "transformers" in args.peers:
+        if "transformers" in args.peers and levels:
             note_load(f"transformers static batches of {levels}")
             row = peers.guarded("transformers static batches", run_spawned, run_transformers, {
                 "model": model, "threads": args.threads, "resolved_dtype": dtype,
                 "resolved_device": "cpu", "peer_num_requests": len(prompts), "prompts": prompts,
                 "output_lens": output_lens, "pad_token_id": b1["pad_token_id"], "hf_batch_sizes": levels})
             if "error" not in row:
-                row["levels"] = {str(r["batch_size"]): r for r in row["per_batch_size"]}
+                row["levels"] = {f"mixed/{r['batch_size']}": r for r in row["per_batch_size"]}
             results["transformers"]["concurrent"] = row
 
     cfg["wall_s"] = time.perf_counter() - bench_start
@@ -266,9 +327,11 @@ def _metric_rows(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(key, label, where in an engine's results): the table's rows, in order."""
     rows = [(f"prefill_{n}_tok_s", f"prefill {n} tok/s", "batch1") for n in cfg["prefill_lens"]]
     rows.append(("decode_tok_s", "decode tok/s", "batch1"))
-    rows += [(f"concurrent_{c}_out_tok_s", f"{c}-concurrent out tok/s", "concurrent") for c in cfg["concurrency"]]
+    rows += [(f"concurrent_{c}_out_tok_s", f"mixed {c}-conc. out tok/s", "concurrent") for c in cfg["concurrency"]]
+    rows += [(f"decode_heavy_{c}_out_tok_s", f"decode-heavy {c}-conc. out tok/s", "concurrent")
+             for c in cfg["decode_heavy_concurrency"]]
     rows.append(("batch1_peak_rss_mib", "peak RSS MiB, batch 1", "batch1"))
-    if cfg["concurrency"]:
+    if cfg["concurrency"] or cfg["decode_heavy_concurrency"]:
         rows.append(("concurrent_peak_rss_mib", "peak RSS MiB, concurrent", "concurrent"))
     return rows
 
@@ -283,14 +346,34 @@ def _value(result: dict[str, Any], key: str, where: str) -> float | str | None:
         return "error"
     if key.endswith("peak_rss_mib"):
         return part.get("peak_rss_mib")
-    if key.startswith("concurrent_"):
-        level = part["levels"].get(key.split("_")[1])
+    name = _level_name(key)
+    if name is not None:
+        level = part["levels"].get(name)
         if level is None:
             return None
         if level.get("failed"):
             return f"{level['failed']} failed"
+        if level.get("short_outputs"):
+            return f"{level['short_outputs']} short"
         return level["output_tok_s"]
     return part.get(key)
+
+
+def _level_name(key: str) -> str | None:
+    """The results' level of a concurrent row ("decode_heavy_32_out_tok_s" -> "decode-heavy/32"); None
+    for the other rows."""
+    for workload, prefix in WORKLOADS.items():
+        if key.startswith(prefix + "_") and key.endswith("_out_tok_s"):
+            return f"{workload}/{key.removeprefix(prefix + '_').split('_')[0]}"
+    return None
+
+
+def _spread(result: dict[str, Any], key: str, where: str) -> float | None:
+    """A concurrent row's spread over its repeats (None elsewhere)."""
+    part, name = result.get(where) or {}, _level_name(key)
+    if name is None or "levels" not in part:
+        return None
+    return (part["levels"].get(name) or {}).get("spread")
 
 
 def build_table(cfg: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -299,6 +382,7 @@ def build_table(cfg: dict[str, Any], results: dict[str, dict[str, Any]]) -> list
         row: dict[str, Any] = {"metric": key, "label": label}
         for engine in ENGINES:
             row[engine] = _value(results[engine], key, where)
+        row["spreads"] = {engine: _spread(results[engine], key, where) for engine in ENGINES}
         tm, lc = row["tokenmill"], row["llama.cpp"]
         numeric = isinstance(tm, (int, float)) and isinstance(lc, (int, float)) and lc > 0
         row["ratio"] = tm / lc if numeric else None
@@ -337,10 +421,16 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
           f"batch 1: median of {cfg['repeats']}, decode = {cfg['decode_tokens']} tokens after a "
           f"{cfg['decode_prompt_len']}-token prompt")
     if cfg["concurrency"]:
-        print(f"concurrent: {cfg['num_requests']} requests per level, input {cfg['input_len_range'][0]}-"
+        print(f"mixed: {cfg['num_requests']} requests per level, input {cfg['input_len_range'][0]}-"
               f"{cfg['input_len_range'][1]}, output {cfg['output_len_range'][0]}-{cfg['output_len_range'][1]} tokens "
-              f"({cfg['output_tokens']} in all), greedy, ignore_eos, streamed to `tokenmill serve` and `llama-server "
-              f"-np {cfg['server_slots']}`; transformers: static batches of C (no server)")
+              f"({cfg['output_tokens']} in all); transformers: static batches of C (no server)")
+    if cfg["decode_heavy_concurrency"]:
+        print(f"decode-heavy: 2 x C requests per level C, {cfg['decode_heavy_prompt_len']} prompt and "
+              f"{cfg['decode_heavy_output_len']} output tokens each")
+    if cfg["concurrency"] or cfg["decode_heavy_concurrency"]:
+        print(f"concurrent rows: greedy, ignore_eos, streamed to `tokenmill serve` and to `llama-server -np C` (a "
+              f"server per level); median of {cfg['concurrent_repeats']} runs, fresh prompts each (± spread: "
+              f"(max - min) / median)")
     loads = [v for v in load_avgs.values() if v is not None]
     if loads:
         print(f"system load average before the runs: {min(loads):.2f}-{max(loads):.2f} (a shared machine: load above "
@@ -348,7 +438,7 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
         if max(loads) > (cfg["cpu_count"] or 1) + 0.5:
             print("WARNING: the machine was busy. Engine threads that wait for each other on shared cores slow down "
                   "unevenly (10-1000x seen on 2 cores): these numbers do not compare the engines; rerun when quiet.")
-    header = f"{'metric':<28}{'tokenmill':>13}{'llama.cpp':>15}{'transformers':>15}{'tm/llama.cpp':>14}  target"
+    header = f"{'metric':<34}{'tokenmill':>13}{'llama.cpp':>15}{'transformers':>15}{'tm/llama.cpp':>14}  target"
     print("\n" + header)
     for r in table:
         key = r["metric"]
@@ -359,8 +449,9 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
             target = f">= {r['target']:g}x (no llama.cpp number)"
         else:
             target = f">= {r['target']:g}x {'met' if r['met'] else 'NOT met'}"
-        print(f"{r['label']:<28}{_cell(r['tokenmill'], key):>13}{_cell(r['llama.cpp'], key):>15}"
-              f"{_cell(r['transformers'], key):>15}{ratio:>14}  {target}")
+        cells = [_cell(r[e], key) + (f" ±{r['spreads'][e]:.0%}" if isinstance(r[e], float) and
+                                       r["spreads"].get(e) is not None else "") for e in ENGINES]
+        print(f"{r['label']:<34}{cells[0]:>13}{cells[1]:>15}{cells[2]:>15}{ratio:>14}  {target}")
     print("ratio: tokenmill / llama.cpp (rates: higher is better for tokenmill; memory: lower is)")
     if agreement:
         print("greedy decode tokens equal to tokenmill's, from the start (same prompt ids): "
@@ -373,6 +464,6 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
 def cmd_compare(args: argparse.Namespace) -> int:
     report = run_compare_bench(args)
     broken = [r["label"] for r in report["table"] for e in ENGINES
-              if isinstance(r[e], str) and (r[e] == "error" or "failed" in r[e])]
+              if isinstance(r[e], str) and (r[e] == "error" or "failed" in r[e] or "short" in r[e])]
     return 1 if broken else 0
 

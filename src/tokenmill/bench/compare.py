@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from tokenmill.bench.latency import (
     transformers_row,
 )
 from tokenmill.bench.procs import load_average, print_load, run_bare, run_spawned, vm_hwm_mib
+from tokenmill.bench.structured import spread_stat
 from tokenmill.bench.throughput import run_transformers
 from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
 from tokenmill.errors import TokenmillError
@@ -143,9 +143,8 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: set[int] | None, 
 def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A level's repeated runs: output tok/s median and spread ((max - min) / median), and the
     requests that failed or got the wrong number of tokens, over all runs."""
-    rates = [r["output_tok_s"] for r in runs]
-    median = statistics.median(rates)
-    return {"output_tok_s": median, "spread": (max(rates) - min(rates)) / median if median else 0.0,
+    rates = spread_stat([r["output_tok_s"] for r in runs])
+    return {"output_tok_s": rates["median"], "spread": rates["spread"],
             "failed": sum(r["failed"] for r in runs), "short_outputs": sum(r["short_outputs"] for r in runs),
             "runs": runs}
 

@@ -118,7 +118,7 @@ def test_step_records_and_snapshots_equal_the_schedulers_own_state(llm):
         saw["cached_free"] |= bool((owner == CACHED_FREE).any())
     assert kinds == {"prefill", "decode"}
     assert saw == {"shared": True, "cached_free": True, "preempted": True}, "the burst should exercise all three"
-    assert [reason for _, _, reason in engine.finished_log] == ["length"] * 8
+    assert [reason for _, reason in engine.finished_log] == ["length"] * 8
 
 
 def test_feed_frames_add_up_to_the_engines_counters(llm, monkeypatch):

@@ -90,3 +90,12 @@ def test_nothing_is_cached_when_off_or_small(default_gguf_path, tiny_gguf_model,
     LLM(str(default_gguf_path), weight_cache=False)
     LLM(str(tiny_gguf_model("llama", "Q8_0")))
     assert entries(cache) == []
+
+
+def test_an_unwritable_cache_folder_leaves_the_load_alone(default_gguf_path, tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(weight_cache, "cache_dir", lambda: blocker / "weights")
+    llm = LLM(str(default_gguf_path))
+    assert "could not write the converted-weights cache" in caplog.text
+    assert len(generate(llm)) == GREEDY.max_tokens

@@ -101,7 +101,6 @@ def run_startup_bench(args: argparse.Namespace) -> dict[str, Any]:
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    rows: dict[str, dict[str, Any]] = {}
     _run("tokenmill warm-up (compiles the kernels and caches the weights if they are not yet)",
          _tokenmill_command(model, args))
     cases = [("tokenmill", _tokenmill_command(model, args)),

@@ -133,9 +133,9 @@ class LLMEngine:
         self.num_forced_tokens = 0       # of which appended by jump-forward, without a model step
         self.num_steps = 0               # steps that ran the model
         self.last_step: StepRecord | None = None
-        # (request_id, finish_reason) of the latest finished requests, numbered from 1 by num_finished,
-        # for watchers (server/monitor.py) that read them between steps
-        self.finished_log: deque[tuple[int, str, str]] = deque(maxlen=FINISHED_LOG_SIZE)
+        # (request_id, finish_reason) of the latest finished requests (num_finished in all), for
+        # watchers (server/monitor.py) that read them between steps
+        self.finished_log: deque[tuple[str, str]] = deque(maxlen=FINISHED_LOG_SIZE)
         self.num_finished = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("memory plan: weights %.1f MiB (%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
@@ -343,7 +343,7 @@ class LLMEngine:
 
     def _release(self, request: Request) -> None:
         self.num_finished += 1
-        self.finished_log.append((self.num_finished, request.request_id, request.finish_reason))
+        self.finished_log.append((request.request_id, request.finish_reason))
         if self.speculator is not None:
             self.speculator.verified(request, 0)   # (a no-op unless it ended mid-step)
             self.speculator.release(request)

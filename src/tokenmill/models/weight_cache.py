@@ -105,15 +105,17 @@ def save(model: nn.Module, entry: Path) -> None:
         return
     metadata = {QUANTIZED_KEY: json.dumps({name: [q.out_features, q.in_features, q.bits]
                                            for name, q in quantized.items()})}
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = None
     try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.stem, suffix=".tmp")
         os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, entry)
     except OSError as e:   # (a full disk or a read-only cache: the load itself succeeded)
         logger.warning("could not write the converted-weights cache %s: %s", entry, e)
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         return
     checkpoint_and_settings = entry.name.rsplit("-", 1)[0]
     for old in entry.parent.glob(f"{checkpoint_and_settings}-*.safetensors"):

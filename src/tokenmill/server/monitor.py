@@ -193,7 +193,7 @@ class EngineMonitor:
                      "preemptions": v.num_preemptions} for v in snapshot.requests]
         new_finished = min(engine.num_finished - self._last_finished, len(engine.finished_log))
         finished = [{"id": request_id, "reason": reason}
-                    for _, request_id, reason in list(engine.finished_log)[len(engine.finished_log) - new_finished:]]
+                    for request_id, reason in list(engine.finished_log)[len(engine.finished_log) - new_finished:]]
         self._last_finished = engine.num_finished
         self._steps.clear()
         self._phases.clear()

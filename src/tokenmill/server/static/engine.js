@@ -147,20 +147,22 @@ function drawSteps() {
 
 // ---- time series ---------------------------------------------------------------------------------------
 
-function rate(key) {      // per second over the last ~2 s of frames
+function recentFrames(seconds) {   // [the oldest frame within `seconds` of the latest, the latest]
   const frames = view.frames;
   const last = frames.at(-1);
   let first = last;
-  for (let i = frames.length - 2; i >= 0 && last.time - frames[i].time <= 2.0; i--) first = frames[i];
+  for (let i = frames.length - 2; i >= 0 && last.time - frames[i].time <= seconds; i--) first = frames[i];
+  return [first, last];
+}
+
+function rate(key) {      // per second over the last ~2 s of frames
+  const [first, last] = recentFrames(2.0);
   if (first === last) return 0;
   return (last.counters[key] - first.counters[key]) / (last.time - first.time);
 }
 
 function hitRate() {      // prefix-cache hits / queries over the last ~5 s of frames (0 with no admissions)
-  const frames = view.frames;
-  const last = frames.at(-1);
-  let first = last;
-  for (let i = frames.length - 2; i >= 0 && last.time - frames[i].time <= 5.0; i--) first = frames[i];
+  const [first, last] = recentFrames(5.0);
   const q = last.counters.prefix_cache_queries - first.counters.prefix_cache_queries;
   return q > 0 ? (100 * (last.counters.prefix_cache_hits - first.counters.prefix_cache_hits)) / q : 0;
 }

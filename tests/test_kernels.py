@@ -237,6 +237,37 @@ def test_decode_kernel_reads_no_block_before_the_window():
         assert torch.equal(got, clean[g])
 
 
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (700, None), (None, 30.0)])
+def test_split_decode_equals_exact_attention(generic, dtype, window, softcap):
+    """Batch 1 and 2 at long context on 4 threads: too few (request, kv head) tasks, so each request's
+    keys are split into runs whose partial softmaxes are combined (flash-decoding); a short request
+    beside a long one is not split. The 1-thread result (never split) sums in another order, so it
+    differs in the last bits: that shows the split path ran."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    saved = torch.get_num_threads()
+    for lens in ([3001], [2500, 40]):
+        _, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype,
+                                                        seed=len(lens))
+        q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
+        options = {"generic": generic, "sliding_window": window, "logit_softcap": softcap}
+        try:
+            torch.set_num_threads(4)
+            got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, head_dim**-0.5, **options)
+            torch.set_num_threads(1)
+            unsplit = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, head_dim**-0.5, **options)
+        finally:
+            torch.set_num_threads(saved)
+        expected = torch_reference(heads, kv_heads, head_dim, window, softcap, cache)._decode(
+            q, cache[0], cache[1], tables, seq_lens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(unsplit, expected, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(got[0], unsplit[0])
+        if len(lens) == 2:   # the short request is one run either way
+            assert torch.equal(got[1], unsplit[1])
+
+
 def exact_prefill_options(q, cache, table, seq_len, block_size, scale, window, softcap):
     """float64 causal attention of q [n, heads, d] (the last n positions of seq_len) with a window and
     a softcap."""

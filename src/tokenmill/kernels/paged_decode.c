@@ -45,6 +45,7 @@ typedef struct {
     float *out;              /* and their outputs */
     const void *k, *v;
     const int64_t *table;    /* the request's block table */
+    float *stats;            /* a split's softmax max and sum per query head [group][2], or NULL */
     int64_t first, len, group, kv_heads, kh, head_dim, block_size;
     float scale, softcap;
 } decode_task;
@@ -54,7 +55,7 @@ static inline decode_task task_of(const decode_step *a, int64_t b, int64_t kh) {
     return (decode_task){
         .q = a->q + (b * a->heads + kh * group) * a->head_dim,
         .out = a->out + (b * a->heads + kh * group) * a->head_dim,
-        .k = a->k, .v = a->v, .table = a->block_tables + b * a->max_blocks,
+        .k = a->k, .v = a->v, .table = a->block_tables + b * a->max_blocks, .stats = NULL,
         .first = a->window > 0 && len > a->window ? len - a->window : 0, .len = len, .group = group,
         .kv_heads = a->kv_heads, .kh = kh, .head_dim = a->head_dim, .block_size = a->block_size,
         .scale = a->scale, .softcap = a->softcap};
@@ -101,6 +102,7 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_ta
         for (int64_t i = 0; i < n; i++) { sg[i] = expf(sg[i] - m); total += sg[i]; }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+        if (t.stats != NULL) { t.stats[2 * g] = m; t.stats[2 * g + 1] = total; }
         memset(t.out + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
     }
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
@@ -120,11 +122,19 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_ta
 /* ---- AVX-512 ---- */
 #ifdef HAVE_AVX512
 
-/* At a block's start, ask for the task's rows of its next block (elem: bytes per cache element):
- * the blocks lie anywhere in the cache, and a task reads only its kv head's slice of each token
- * row, which the hardware prefetcher does not follow. Always inlined: as a function of its own it
- * has no effect the compiler can see (a prefetch changes no memory), so its calls would be removed
- * as dead code. */
+/* Software prefetch: the blocks lie anywhere in the cache, and a task reads only its kv head's slice
+ * of each token row, which the hardware prefetcher does not follow. A task asks for the blocks
+ * holding its next PREFETCH_TOKENS tokens when it starts, then at each block's start for the block
+ * that many tokens ahead: far enough ahead to cover the memory's latency, near enough to stay in L1. */
+#define PREFETCH_TOKENS 64
+
+static inline int64_t prefetch_distance(const decode_task *t) {   /* in blocks */
+    return (PREFETCH_TOKENS + t->block_size - 1) / t->block_size;
+}
+
+/* Ask for the task's rows of block `blk` (elem: bytes per cache element). Always inlined: as a
+ * function of its own it has no effect the compiler can see (a prefetch changes no memory), so its
+ * calls would be removed as dead code. */
 static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t, int64_t blk, const int64_t head_dim,
                                          const int elem) {
     if (blk * t->block_size >= t->len) return;
@@ -134,32 +144,73 @@ static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t
             _mm_prefetch(block + kv_offset(t, r, head_dim) * elem + b, _MM_HINT_T0);
 }
 
-/* A task with CH = head_dim / 16 and the cache dtype constant at the call site, so that a token's K
- * or V row and the accumulators stay in registers:
- *   scores: the token's K row is loaded once for the group's query heads;
+/* The prefetches of a task's start: blocks blk + 1 .. blk + prefetch_distance. */
+static ALWAYS_INLINE void prefetch_start(const void *cache, const decode_task *t, int64_t blk, const int64_t head_dim,
+                                         const int elem) {
+    for (int64_t b = 1; b <= prefetch_distance(t); b++) prefetch_block(cache, t, blk + b, head_dim, elem);
+}
+
+/* The 8 horizontal sums of a[0..7], in order: a transposing tree of shuffles and adds (about 3
+ * instructions per sum, where a sum alone takes 8 in a dependent chain). */
+static ALWAYS_INLINE __m256 sum8(const __m512 *a) {
+    __m512 p[4];
+    for (int i = 0; i < 4; i++)   /* per 128-bit lane: a[2i][0]+a[2i][2], a[2i+1][0]+.., a[2i][1]+.., a[2i+1][1]+.. */
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    /* per 128-bit lane: the lane's partial sums of a[0..3] (q0) and a[4..7] (q1) */
+    const __m512 q0 = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44), _mm512_shuffle_ps(p[0], p[1], 0xee));
+    const __m512 q1 = _mm512_add_ps(_mm512_shuffle_ps(p[2], p[3], 0x44), _mm512_shuffle_ps(p[2], p[3], 0xee));
+    /* lanes (q0 L0+L2, q0 L1+L3, q1 L0+L2, q1 L1+L3), then each pair of lanes summed */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(q0, q1, 0x44), _mm512_shuffle_f32x4(q0, q1, 0xee));
+    const __m512 t = _mm512_add_ps(r, _mm512_shuffle_f32x4(r, r, 0xb1));
+    /* lane 0: a[0..3]'s sums, lane 2: a[4..7]'s */
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_castps512_ps128(t)), _mm512_extractf32x4_ps(t, 2), 1);
+}
+
+/* A task with CH = head_dim / 16 and the cache dtype constant at the call site, every row in
+ * attention.h's row order (q and the outputs permuted to it once per task):
+ *   scores: 8 tokens at a time, their K rows into an L1 buffer, then per query head 8 independent
+ *   FMA chains (one per token) and one transposing reduction (sum8);
  *   softmax over the score rows, padded to `padded` (a multiple of 16) with -inf;
  *   V sums: heads in blocks of 24 / CH (at most 24 accumulators: independent FMA chains), the V row
- *   loaded once per block of heads. */
-static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, const decode_task *task, float *scores,
+ *   loaded once per block of heads.
+ * scratch: the scores [group][padded], then the queries in row order [group][CH] vectors. */
+static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, const decode_task *task, float *scratch,
                                              int64_t padded) {
     const decode_task t = *task;   /* a local copy: stores to the scores cannot alias its fields */
     const int64_t head_dim = 16 * CH, bs = t.block_size, n = t.len - t.first;
     const int elem = kv_bf16 ? 2 : 4;
-    for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-        prefetch_block(t.k, &t, blk + 1, head_dim, elem);
-        const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
-        for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
-            __m512 kr[16];
-            #pragma GCC unroll 16
-            for (int c = 0; c < CH; c++) kr[c] = kv_loadv(t.k, row + 16 * c, kv_bf16);
-            for (int64_t g = 0; g < t.group; g++) {
-                const float *qg = t.q + g * head_dim;
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);
-                #pragma GCC unroll 16
-                for (int c = 1; c < CH; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], acc);
-                scores[g * padded + i] = _mm512_reduce_add_ps(acc) * t.scale;
+    float *scores = scratch;
+    __m512 *q = (__m512 *)(scratch + t.group * padded);
+    for (int64_t g = 0; g < t.group; g++) {
+        #pragma GCC unroll 16
+        for (int c = 0; c < CH; c++) q[g * CH + c] = _mm512_loadu_ps(t.q + g * head_dim + 16 * c);
+        to_row_order(CH, kv_bf16, q + g * CH);
+    }
+    __m512 kbuf[8 * 16];   /* 8 tokens' K rows */
+    for (int i = 0; i < 8 * CH; i++) kbuf[i] = _mm512_setzero_ps();
+    const int64_t ahead = prefetch_distance(&t);
+    int64_t blk = t.first / bs, slot = t.first % bs;
+    prefetch_start(t.k, &t, blk, head_dim, elem);
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+        const int nk = n - i0 < 8 ? (int)(n - i0) : 8;
+        for (int j = 0; j < nk; j++) {
+            kv_row(CH, kv_bf16, t.k, kv_offset(&t, t.table[blk] * bs + slot, head_dim), kbuf + j * CH);
+            if (++slot == bs) {
+                slot = 0;
+                prefetch_block(t.k, &t, ++blk + ahead, head_dim, elem);
             }
+        }
+        for (int64_t g = 0; g < t.group; g++) {
+            const __m512 *qg = q + g * CH;
+            __m512 acc[8];
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[j] = _mm512_mul_ps(qg[0], kbuf[j * CH]);
+            #pragma GCC unroll 16
+            for (int c = 1; c < CH; c++)
+                #pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) acc[j] = _mm512_fmadd_ps(qg[c], kbuf[j * CH + c], acc[j]);
+            _mm256_mask_storeu_ps(scores + g * padded + i0, (__mmask8)((1u << nk) - 1),
+                                  _mm256_mul_ps(sum8(acc), _mm256_set1_ps(t.scale)));
         }
     }
     for (int64_t g = 0; g < t.group; g++) {
@@ -170,7 +221,9 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
                 _mm512_storeu_ps(sg + i, softcap512(_mm512_maskz_loadu_ps(live, sg + i), t.softcap));
             }
         for (int64_t i = n; i < padded; i++) sg[i] = -INFINITY;
-        const float sum = exp_minus_max(sg, padded / 16);
+        float max;
+        const float sum = exp_minus_max(sg, padded / 16, &max);
+        if (t.stats != NULL) { t.stats[2 * g] = max; t.stats[2 * g + 1] = sum; }
         const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
         for (int64_t i = 0; i < padded; i += 16) _mm512_store_ps(sg + i, _mm512_mul_ps(_mm512_load_ps(sg + i), inv));
     }
@@ -182,14 +235,14 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
         for (int j = 0; j < HB; j++)
             #pragma GCC unroll 16
             for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_setzero_ps();
+        prefetch_start(t.v, &t, t.first / bs, head_dim, elem);
         for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-            prefetch_block(t.v, &t, blk + 1, head_dim, elem);
+            prefetch_block(t.v, &t, blk + ahead, head_dim, elem);
             const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-                const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
+                const int64_t i = blk * bs + s - t.first;
                 __m512 vr[16];
-                #pragma GCC unroll 16
-                for (int c = 0; c < CH; c++) vr[c] = kv_loadv(t.v, row + 16 * c, kv_bf16);
+                kv_row(CH, kv_bf16, t.v, kv_offset(&t, base + s, head_dim), vr);
                 #pragma GCC unroll 24
                 for (int j = 0; j < HB; j++) {
                     if (j < heads) {
@@ -202,9 +255,11 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
         }
         #pragma GCC unroll 24
         for (int j = 0; j < HB; j++)
-            if (j < heads)
+            if (j < heads) {
+                from_row_order(CH, kv_bf16, acc + j * CH);
                 #pragma GCC unroll 16
                 for (int c = 0; c < CH; c++) _mm512_storeu_ps(t.out + (g0 + j) * head_dim + 16 * c, acc[j * CH + c]);
+            }
     }
 }
 
@@ -242,37 +297,129 @@ __attribute__((noinline)) static void run_task_avx512_bf16(const decode_task *t,
 }
 #endif
 
-/* Every (request, kv head) task of the step in parallel. Returns 1 if out of memory. */
+/* One task's attention, into t->out (and t->stats when split). Returns 1 if out of memory. */
+static int run_task(const decode_task *t, int kv_bf16, int use_avx512) {
+    const int64_t n = t->len - t->first;
+#ifdef HAVE_AVX512
+    if (use_avx512) {
+        const int64_t padded = (n + 15) / 16 * 16;   /* the scores, then the queries (decode_task_avx512) */
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)((padded + t->head_dim) * t->group));
+        if (scores == NULL) return 1;
+        if (kv_bf16) run_task_avx512_bf16(t, scores, padded);
+        else run_task_avx512_f32(t, scores, padded);
+        free(scores);
+        return 0;
+    }
+#else
+    (void)use_avx512;
+#endif
+    float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n * t->group : 1));
+    if (scores == NULL) return 1;
+    if (kv_bf16) decode_task_generic(1, t, scores);
+    else decode_task_generic(0, t, scores);
+    free(scores);
+    return 0;
+}
+
+/* Splitting the sequence (flash-decoding). A step with fewer (request, kv head) tasks than
+ * SPLIT_TASKS_PER_THREAD per thread leaves cores idle, or unevenly loaded (3 kv heads on 2 threads),
+ * exactly when each task is long: batch 1 at long context. Such a step splits each request's keys
+ * into at most `max_splits` runs of at least SPLIT_MIN_KEYS keys (whole blocks); each run's task
+ * writes its softmax-normalized partial output with the run's max m and sum l per query head, and a
+ * second pass combines the runs: out = sum_s w_s o_s / sum_s w_s with w_s = exp(m_s - M) l_s, M the
+ * largest m_s. How a request is split depends only on its length, the batch and the thread count
+ * (not on timing), so a step's result is reproducible. */
+#define SPLIT_TASKS_PER_THREAD 8
+#define SPLIT_MIN_KEYS 256
+
+/* The keys of request b's run s, of `runs` runs of `per_run` keys each (the last shorter). */
+static void split_range(decode_task *t, int64_t s, int64_t per_run) {
+    const int64_t first = t->first + s * per_run, len = first + per_run < t->len ? first + per_run : t->len;
+    t->first = first;
+    t->len = len;
+}
+
+/* The combining pass: request b's outputs from its `runs` partial outputs part [runs][heads][head_dim]
+ * and their stats [runs][heads][2]. */
+static void combine_runs(const decode_step *a, int64_t b, int64_t runs, const float *part, const float *stats) {
+    const int64_t heads = a->heads, head_dim = a->head_dim;
+    for (int64_t h = 0; h < heads; h++) {
+        float big = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < runs; s++) big = stats[(s * heads + h) * 2] > big ? stats[(s * heads + h) * 2] : big;
+        float *o = a->out + (b * heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
+        for (int64_t s = 0; s < runs; s++) {
+            const float w = expf(stats[(s * heads + h) * 2] - big) * stats[(s * heads + h) * 2 + 1];
+            const float *p = part + (s * heads + h) * head_dim;
+            total += w;
+            for (int64_t d = 0; d < head_dim; d++) o[d] += w * p[d];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+    }
+}
+
+/* Every (request, kv head) task of the step in parallel, split as above when there are too few.
+ * Returns 1 if out of memory. */
 static int decode(const decode_step *a, int kv_bf16, int generic, int num_threads) {
 #ifdef HAVE_AVX512
     const int use_avx512 = !generic && a->head_dim % 16 == 0 && a->head_dim <= 16 * MAX_CHUNKS;
 #else
     (void)generic;
+    const int use_avx512 = 0;
 #endif
-    int failed = 0;
-    #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)
+    const int64_t tasks = a->batch * a->kv_heads, wanted = (int64_t)SPLIT_TASKS_PER_THREAD * num_threads;
+    const int64_t max_splits = num_threads > 1 && tasks < wanted ? (wanted + tasks - 1) / tasks : 1;
+    /* runs per request and keys per run, from its length */
+    int64_t *runs = malloc(sizeof(int64_t) * (size_t)(2 * a->batch + 1));
+    if (runs == NULL) return 1;
+    int64_t *per_run = runs + a->batch, split_any = 0;
     for (int64_t b = 0; b < a->batch; b++) {
-        for (int64_t kh = 0; kh < a->kv_heads; kh++) {
-            const decode_task t = task_of(a, b, kh);
-            const int64_t n = t.len - t.first;
-#ifdef HAVE_AVX512
-            if (use_avx512) {
-                const int64_t padded = (n + 15) / 16 * 16;
-                float *scores = aligned_alloc(64, sizeof(float) * (size_t)(padded > 0 ? padded * t.group : 16));
-                if (scores == NULL) { failed = 1; continue; }
-                if (kv_bf16) run_task_avx512_bf16(&t, scores, padded);
-                else run_task_avx512_f32(&t, scores, padded);
-                free(scores);
-                continue;
-            }
-#endif
-            float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n * t.group : 1));
-            if (scores == NULL) { failed = 1; continue; }
-            if (kv_bf16) decode_task_generic(1, &t, scores);
-            else decode_task_generic(0, &t, scores);
-            free(scores);
+        const decode_task t = task_of(a, b, 0);
+        const int64_t n = t.len - t.first, most = n / SPLIT_MIN_KEYS;
+        int64_t r = most < max_splits ? most : max_splits;
+        if (r < 1) r = 1;
+        per_run[b] = (n + r - 1) / r;
+        per_run[b] = (per_run[b] + a->block_size - 1) / a->block_size * a->block_size;   /* whole blocks */
+        runs[b] = per_run[b] > 0 ? (n + per_run[b] - 1) / per_run[b] : 1;
+        split_any |= runs[b] > 1;
+    }
+    const int64_t width = split_any ? max_splits : 1;   /* runs' stride in the scratch below */
+    float *part = NULL, *stats = NULL;
+    if (split_any) {
+        part = malloc(sizeof(float) * (size_t)(a->batch * width * a->heads * a->head_dim));
+        stats = malloc(sizeof(float) * (size_t)(a->batch * width * a->heads * 2));
+        if (part == NULL || stats == NULL) { free(part); free(stats); free(runs); return 1; }
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for collapse(3) schedule(dynamic)
+        for (int64_t b = 0; b < a->batch; b++)
+            for (int64_t s = 0; s < width; s++)
+                for (int64_t kh = 0; kh < a->kv_heads; kh++) {
+                    if (s >= runs[b]) continue;
+                    decode_task t = task_of(a, b, kh);
+                    if (runs[b] > 1) {   /* a run of the request's keys, into the scratch */
+                        const int64_t at = (b * width + s) * a->heads + kh * t.group;
+                        split_range(&t, s, per_run[b]);
+                        t.out = part + at * a->head_dim;
+                        t.stats = stats + at * 2;
+                    }
+                    if (run_task(&t, kv_bf16, use_avx512)) {
+                        #pragma omp atomic write
+                        failed = 1;
+                    }
+                }
+        if (split_any) {
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < a->batch; b++)
+                if (runs[b] > 1)
+                    combine_runs(a, b, runs[b], part + b * width * a->heads * a->head_dim,
+                                 stats + b * width * a->heads * 2);
         }
     }
+    free(part); free(stats); free(runs);
     return failed;
 }
 

@@ -94,7 +94,7 @@ static ALWAYS_INLINE void run_prefill_task(const int CH, const prefill_task *tas
     }
     float inv[PREFILL_ROWS];
     for (int r = 0; r < PREFILL_ROWS; r++) {
-        const float sum = exp_minus_max(s + r * L16 + 16 * blo, nblk - blo);
+        const float sum = exp_minus_max(s + r * L16 + 16 * blo, nblk - blo, NULL);
         inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
     }
     /* out rows: sum over keys of p V, accumulators [rows][CH] in registers */

@@ -1,142 +1,189 @@
 /* Prefill attention over a paged KV cache, for CPUs with AVX-512: one request's num_q query rows
  * (the last num_q positions of its seq_len tokens, causal) over its K/V.
  *
- * q, out [num_q, heads, head_dim] fp32. The request's K/V of each kv head are first gathered into
- * fp32 scratch (K transposed: [head_dim][L16 + 16], so 16 keys' scores are one vector FMA per dim; V
- * [L16][head_dim]); then tasks of (query head, 4 query rows) score, softmax and sum V with the
- * rows' accumulators in registers. Keys a row does not see get probability 0 (exp(-inf)).
+ * q, out [num_q, heads, head_dim] fp32. Flash-style: the request's K/V of each kv head are first
+ * gathered into fp32 scratch in tiles of KT keys (K transposed within a tile, [head_dim][KT], so 16
+ * keys' scores are one vector FMA per dim; V [KT][head_dim]); then each task, one query head and QT
+ * query rows, walks the key tiles its rows see in order, and for each tile and each block of ROWS
+ * rows: scores in registers, an online softmax (each row's running max and sum; its output rescaled
+ * when the max grows), and the tile's V summed into the rows' outputs. A tile (16 KiB of K, 16 KiB
+ * of V at head_dim 64) is read from memory once per task and then from L1 by its QT / ROWS row
+ * blocks, so the work stays bound by the FMAs at any context length rather than by the caches.
+ * Keys a row does not see get probability 0.
  *
  * Options as in paged_decode.c: a sliding window w (the row at position p sees keys p - w < j <= p:
  * the gather starts at the first key the first row sees, so blocks wholly before it are never read,
- * and each row block scores only from the 16 keys holding its first row's first key) and a logit
- * softcap c (scores -> c tanh(scores / c) after the scale). 0 turns either off.
+ * and each row block skips the tiles wholly before its window) and a logit softcap c (scores ->
+ * c tanh(scores / c) after the scale). 0 turns either off.
  *
  * AVX-512 only (head_dim a multiple of 16, at most 16 * MAX_CHUNKS): returns -1 where it does not
  * apply (the caller then runs SDPA), 1 if out of memory, 0 on success. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "attention.h"
 
 #ifdef HAVE_AVX512
-#define PREFILL_ROWS 4
+#define ROWS 4    /* query rows per register block */
+#define QT 32     /* query rows per task */
+#define KT 64     /* keys per tile: 4 vectors of scores per row */
+#define VG 4      /* output vectors per row held in registers while V is summed */
 
-/* The gathered keys of a request, from position key0 on: L16 of them (zeros past seq_len) in kt
- * [kv_heads][head_dim][ks] (a zero block after them) and vv [kv_heads][L16][head_dim]. */
+/* The gathered keys of a request, from position key0 on, in `tiles` tiles of KT (zeros past
+ * seq_len): kt [kv_heads][tiles][head_dim][KT], vv [kv_heads][tiles][KT][head_dim]. */
 typedef struct {
     float *kt, *vv;
-    int64_t key0, L16, ks;
+    int64_t key0, tiles;
 } gathered_kv;
 
-/* One query row block's job. */
+/* One task: query head h, rows [r0, r0 + QT) (those below num_q). */
 typedef struct {
     const float *q;
     float *out;
-    const float *kt, *vv;    /* its kv head's gathered keys */
-    int64_t L16, ks, key0, seq_len, num_q, heads, h, r0, window;
+    const float *kt, *vv;    /* its kv head's gathered tiles */
+    int64_t key0, seq_len, num_q, heads, h, r0, window;
     float scale, softcap;
 } prefill_task;
 
-/* One key's K (into a column of kt, stride ks) and V (into a row of vv, unless vv is NULL) from cache
- * offset `row`, or zeros where row < 0 (past seq_len). */
-static ALWAYS_INLINE void gather_key(const int kv_bf16, const void *k, const void *v, int64_t row, int64_t head_dim,
-                                     float *kt, int64_t ks, float *vv) {
-    if (row < 0) {
-        for (int64_t d = 0; d < head_dim; d++) kt[d * ks] = 0.0f;
-        if (vv != NULL)
-            for (int64_t d = 0; d < head_dim; d++) vv[d] = 0.0f;
-        return;
+/* A task's state per row: the output so far (unnormalized) [QT][head_dim], the running max and sum,
+ * and a row block's probabilities for the current tile. */
+typedef struct {
+    float *o, *m, *l, *p;
+} task_scratch;
+
+/* One tile for one block of rows (positions pos[r], gathered index): scores, the online softmax
+ * step, and the tile's V into the rows' outputs. tile0: the tile's first gathered key. */
+static ALWAYS_INLINE void tile_rows(const int CH, const prefill_task *t, const float *const *qr, const int64_t *pos,
+                                    const float *kt, const float *vv, int64_t tile0, float *o, float *m, float *l,
+                                    float *p) {
+    const int64_t head_dim = 16 * CH;
+    __m512 acc[ROWS][KT / 16];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < KT / 16; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d++) {
+        __m512 k[KT / 16];
+        for (int v = 0; v < KT / 16; v++) k[v] = _mm512_load_ps(kt + d * KT + 16 * v);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 qd = _mm512_set1_ps(qr[r][d]);
+            for (int v = 0; v < KT / 16; v++) acc[r][v] = _mm512_fmadd_ps(qd, k[v], acc[r][v]);
+        }
     }
-    for (int64_t d = 0; d < head_dim; d++) kt[d * ks] = kv_load(k, row + d, kv_bf16);
-    if (vv != NULL)
-        for (int64_t d = 0; d < head_dim; d++) vv[d] = kv_load(v, row + d, kv_bf16);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float alpha[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        __m512 sv[KT / 16];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int v = 0; v < KT / 16; v++) {
+            const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int)(tile0 + 16 * v)), lanes);
+            __mmask16 seen = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int)pos[r]));
+            if (t->window > 0) seen &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32((int)(pos[r] - t->window)));
+            __m512 score = _mm512_mul_ps(acc[r][v], _mm512_set1_ps(t->scale));
+            if (t->softcap > 0.0f) score = softcap512(score, t->softcap);
+            sv[v] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), score);
+            mx = _mm512_max_ps(mx, sv[v]);
+        }
+        const float tile_max = _mm512_reduce_max_ps(mx);
+        const float m_new = tile_max > m[r] ? tile_max : m[r];
+        /* a row that has seen no key yet keeps max -inf: its probabilities are 0 */
+        const __m512 base = _mm512_set1_ps(m_new == -INFINITY ? 0.0f : m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < KT / 16; v++) {
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(sv[v], base));
+            _mm512_store_ps(p + r * KT + 16 * v, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+        m[r] = m_new;
+    }
+    /* o[r] = alpha[r] o[r] + sum_j p[r][j] V[j], VG vectors of each row at a time */
+    for (int c0 = 0; c0 < CH; c0 += VG) {
+        const int nc = CH - c0 < VG ? CH - c0 : VG;
+        __m512 ov[ROWS][VG];
+        for (int r = 0; r < ROWS; r++)
+            for (int c = 0; c < VG; c++)
+                if (c < nc) ov[r][c] = _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + 16 * (c0 + c)),
+                                                     _mm512_set1_ps(alpha[r]));
+        for (int64_t j = 0; j < KT; j++) {
+            __m512 vr[VG];
+            for (int c = 0; c < VG; c++)
+                if (c < nc) vr[c] = _mm512_load_ps(vv + j * head_dim + 16 * (c0 + c));
+            for (int r = 0; r < ROWS; r++) {
+                const __m512 pj = _mm512_set1_ps(p[r * KT + j]);
+                for (int c = 0; c < VG; c++)
+                    if (c < nc) ov[r][c] = _mm512_fmadd_ps(pj, vr[c], ov[r][c]);
+            }
+        }
+        for (int r = 0; r < ROWS; r++)
+            for (int c = 0; c < VG; c++)
+                if (c < nc) _mm512_store_ps(o + r * head_dim + 16 * (c0 + c), ov[r][c]);
+    }
 }
 
-/* The task with CH = head_dim / 16 constant at the call site: scores of the block's rows for two
- * key vectors at a time (8 independent FMA chains), softmax, then the V sums with the rows'
- * accumulators in registers. */
-static ALWAYS_INLINE void run_prefill_task(const int CH, const prefill_task *task, float *s) {
-    const prefill_task t = *task;   /* a local copy: the score stores cannot alias its fields */
-    const int64_t head_dim = 16 * CH, first = t.seq_len - t.num_q, L16 = t.L16, ks = t.ks, key0 = t.key0;
-    const int64_t rows = t.num_q - t.r0 < PREFILL_ROWS ? t.num_q - t.r0 : PREFILL_ROWS;
-    const int64_t last = first + t.r0 + rows - 1;                      /* the block's last position */
-    const int64_t nkeys = last + 1 - key0, nblk = (nkeys + 15) / 16;   /* gathered keys it may see */
-    /* the first key vector any row of the block sees */
-    const int64_t lowest = t.window > 0 ? first + t.r0 - t.window + 1 - key0 : 0;
-    const int64_t blo = lowest > 0 ? lowest / 16 : 0;
-    const float *qr[PREFILL_ROWS];
-    for (int r = 0; r < PREFILL_ROWS; r++) qr[r] = t.q + ((t.r0 + (r < rows ? r : 0)) * t.heads + t.h) * head_dim;
-    /* scores: s[r][j] for blo <= j / 16 < nblk, -inf where row r does not see key j */
-    for (int64_t b0 = blo; b0 < nblk; b0 += 2) {
-        __m512 acc[2 * PREFILL_ROWS];
-        for (int i = 0; i < 2 * PREFILL_ROWS; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d++) {  /* kt rows have a zero block past L16 (odd count) */
-            const float *kd = t.kt + d * ks + 16 * b0;
-            const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16);
-            for (int r = 0; r < PREFILL_ROWS; r++) {
-                const __m512 qd = _mm512_set1_ps(qr[r][d]);
-                acc[2 * r] = _mm512_fmadd_ps(qd, k0, acc[2 * r]);
-                acc[2 * r + 1] = _mm512_fmadd_ps(qd, k1, acc[2 * r + 1]);
+/* The task with CH = head_dim / 16 constant at the call site. */
+static ALWAYS_INLINE void run_prefill_task(const int CH, const prefill_task *task, const task_scratch *sc) {
+    const prefill_task t = *task;   /* a local copy: the stores cannot alias its fields */
+    const int64_t head_dim = 16 * CH, first = t.seq_len - t.num_q;   /* position of query row 0 */
+    const int64_t rows = t.num_q - t.r0 < QT ? t.num_q - t.r0 : QT;
+    const int64_t last = first + t.r0 + rows - 1 - t.key0;   /* gathered index of the task's last position */
+    memset(sc->o, 0, sizeof(float) * (size_t)(QT * head_dim));
+    for (int r = 0; r < QT; r++) { sc->m[r] = -INFINITY; sc->l[r] = 0.0f; }
+    /* the first tile any row of the task sees */
+    const int64_t lowest = t.window > 0 ? first + t.r0 - t.window + 1 - t.key0 : 0;
+    for (int64_t tile = lowest > 0 ? lowest / KT : 0; tile * KT <= last; tile++) {
+        const float *kt = t.kt + tile * head_dim * KT, *vv = t.vv + tile * KT * head_dim;
+        for (int64_t b = 0; b < rows; b += ROWS) {
+            const float *qr[ROWS];
+            int64_t pos[ROWS];
+            for (int r = 0; r < ROWS; r++) {   /* rows past the task's repeat its first (never stored) */
+                const int64_t row = t.r0 + (b + r < rows ? b + r : 0);
+                qr[r] = t.q + (row * t.heads + t.h) * head_dim;
+                pos[r] = first + row - t.key0;
             }
-        }
-        for (int64_t b = b0; b < b0 + 2 && b < nblk; b++)
-            for (int r = 0; r < PREFILL_ROWS; r++) {
-                const int64_t pos = first + t.r0 + r - key0;   /* in gathered keys */
-                const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-                const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int)(16 * b)), lanes);
-                __mmask16 seen = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int)pos));
-                if (t.window > 0)
-                    seen &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32((int)(pos - t.window)));
-                __m512 score = _mm512_mul_ps(acc[2 * r + (b - b0)], _mm512_set1_ps(t.scale));
-                if (t.softcap > 0.0f) score = softcap512(score, t.softcap);
-                _mm512_storeu_ps(s + r * L16 + 16 * b, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), score));
-            }
-    }
-    float inv[PREFILL_ROWS];
-    for (int r = 0; r < PREFILL_ROWS; r++) {
-        const float sum = exp_minus_max(s + r * L16 + 16 * blo, nblk - blo, NULL);
-        inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
-    }
-    /* out rows: sum over keys of p V, accumulators [rows][CH] in registers */
-    __m512 acc[PREFILL_ROWS * 16];
-    #pragma GCC unroll 64
-    for (int i = 0; i < PREFILL_ROWS * CH; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 16 * blo; j < nkeys; j++) {
-        __m512 vr[16];
-        #pragma GCC unroll 16
-        for (int c = 0; c < CH; c++) vr[c] = _mm512_loadu_ps(t.vv + j * head_dim + 16 * c);
-        #pragma GCC unroll 4
-        for (int r = 0; r < PREFILL_ROWS; r++) {
-            const __m512 p = _mm512_set1_ps(s[r * L16 + j]);
-            #pragma GCC unroll 16
-            for (int c = 0; c < CH; c++) acc[r * CH + c] = _mm512_fmadd_ps(p, vr[c], acc[r * CH + c]);
+            const int64_t block_last = pos[0] + (rows - b < ROWS ? rows - b : ROWS) - 1;
+            if (tile * KT > block_last) continue;   /* the block's rows are all before the tile */
+            if (t.window > 0 && (tile + 1) * KT <= pos[0] - t.window + 1) continue;   /* wholly before its window */
+            tile_rows(CH, &t, qr, pos, kt, vv, tile * KT, sc->o + b * head_dim, sc->m + b, sc->l + b, sc->p);
         }
     }
-    for (int r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = sc->l[r] > 0.0f ? 1.0f / sc->l[r] : 0.0f;
+        float *dst = t.out + ((t.r0 + r) * t.heads + t.h) * head_dim;
         for (int c = 0; c < CH; c++)
-            _mm512_storeu_ps(t.out + ((t.r0 + r) * t.heads + t.h) * head_dim + 16 * c,
-                             _mm512_mul_ps(acc[r * CH + c], _mm512_set1_ps(inv[r])));
+            _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(sc->o + r * head_dim + 16 * c),
+                                                         _mm512_set1_ps(inv)));
+    }
+}
+static ALWAYS_INLINE void run_prefill_task_any(const prefill_task *t, int64_t head_dim, const task_scratch *sc) {
+    switch (head_dim / 16) {
+        case 1: run_prefill_task(1, t, sc); break;
+        case 2: run_prefill_task(2, t, sc); break;
+        case 3: run_prefill_task(3, t, sc); break;
+        case 4: run_prefill_task(4, t, sc); break;
+        case 5: run_prefill_task(5, t, sc); break;
+        case 6: run_prefill_task(6, t, sc); break;
+        case 7: run_prefill_task(7, t, sc); break;
+        case 8: run_prefill_task(8, t, sc); break;
+        case 9: run_prefill_task(9, t, sc); break;
+        case 10: run_prefill_task(10, t, sc); break;
+        case 11: run_prefill_task(11, t, sc); break;
+        case 12: run_prefill_task(12, t, sc); break;
+        case 13: run_prefill_task(13, t, sc); break;
+        case 14: run_prefill_task(14, t, sc); break;
+        case 15: run_prefill_task(15, t, sc); break;
+        case 16: run_prefill_task(16, t, sc); break;
+        default: break;
+    }
 }
 
-static ALWAYS_INLINE void run_prefill_task_any(const prefill_task *t, int64_t head_dim, float *s) {
-    switch (head_dim / 16) {
-        case 1: run_prefill_task(1, t, s); break;
-        case 2: run_prefill_task(2, t, s); break;
-        case 3: run_prefill_task(3, t, s); break;
-        case 4: run_prefill_task(4, t, s); break;
-        case 5: run_prefill_task(5, t, s); break;
-        case 6: run_prefill_task(6, t, s); break;
-        case 7: run_prefill_task(7, t, s); break;
-        case 8: run_prefill_task(8, t, s); break;
-        case 9: run_prefill_task(9, t, s); break;
-        case 10: run_prefill_task(10, t, s); break;
-        case 11: run_prefill_task(11, t, s); break;
-        case 12: run_prefill_task(12, t, s); break;
-        case 13: run_prefill_task(13, t, s); break;
-        case 14: run_prefill_task(14, t, s); break;
-        case 15: run_prefill_task(15, t, s); break;
-        case 16: run_prefill_task(16, t, s); break;
-        default: break;
+/* One key's K (into column `col` of its tile's transposed K) and V (a row), from cache offset `row`,
+ * or zeros where row < 0 (past seq_len). */
+static ALWAYS_INLINE void gather_key(const int kv_bf16, const void *k, const void *v, int64_t row, int64_t head_dim,
+                                     float *kt, int64_t col, float *vv) {
+    for (int64_t d = 0; d < head_dim; d++) {
+        kt[d * KT + col] = row < 0 ? 0.0f : kv_load(k, row + d, kv_bf16);
+        vv[d] = row < 0 ? 0.0f : kv_load(v, row + d, kv_bf16);
     }
 }
 
@@ -146,41 +193,43 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS || num_q > seq_len) return -1;
     /* the first key the first query row sees */
     const int64_t first_seen = window > 0 && seq_len - num_q - window + 1 > 0 ? seq_len - num_q - window + 1 : 0;
-    const int64_t L16 = (seq_len - first_seen + 15) / 16 * 16;
-    const gathered_kv g = {aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * head_dim * (L16 + 16))),
-                           aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * L16 * head_dim)),
-                           first_seen, L16, L16 + 16};
+    const int64_t tiles = (seq_len - first_seen + KT - 1) / KT, keys = tiles * KT;
+    const gathered_kv g = {aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * keys * head_dim)),
+                           aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * keys * head_dim)),
+                           first_seen, tiles};
     if (g.kt == NULL || g.vv == NULL) { free(g.kt); free(g.vv); return 1; }
-    const int64_t group = heads / kv_heads, row_blocks = (num_q + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    const int64_t group = heads / kv_heads, tasks_per_head = (num_q + QT - 1) / QT;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for collapse(2) schedule(static)
         for (int64_t kh = 0; kh < kv_heads; kh++)
-            for (int64_t t = 0; t < g.ks; t++) {   /* key position first_seen + t */
-                const int64_t pos = g.key0 + t;
+            for (int64_t i = 0; i < keys; i++) {   /* key position first_seen + i */
+                const int64_t pos = g.key0 + i;
                 const int64_t row = pos < seq_len ? ((table[pos / block_size] * block_size + pos % block_size)
                                                      * kv_heads + kh) * head_dim : -1;
-                float *kt = g.kt + kh * head_dim * g.ks + t, *vv = t < L16 ? g.vv + (kh * L16 + t) * head_dim : NULL;
-                if (kv_bf16) gather_key(1, k, v, row, head_dim, kt, g.ks, vv);
-                else gather_key(0, k, v, row, head_dim, kt, g.ks, vv);
+                float *kt = g.kt + (kh * keys + i / KT * KT) * head_dim, *vv = g.vv + (kh * keys + i) * head_dim;
+                if (kv_bf16) gather_key(1, k, v, row, head_dim, kt, i % KT, vv);
+                else gather_key(0, k, v, row, head_dim, kt, i % KT, vv);
             }
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)(PREFILL_ROWS * L16));
-        if (s == NULL) {
+        /* the task scratch: outputs [QT][head_dim], maxima [QT], sums [QT], probabilities [ROWS][KT] */
+        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(QT * head_dim + 2 * QT + ROWS * KT));
+        if (buf == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
-        /* without a window, later row blocks see more keys: hand them out first, dynamically */
+        const task_scratch sc = {buf, buf + QT * head_dim, buf + QT * head_dim + QT, buf + QT * head_dim + 2 * QT};
+        /* without a window, later tasks see more keys: hand them out first, dynamically */
         #pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < heads * row_blocks; i++) {
-            if (s == NULL) continue;
+        for (int64_t i = 0; i < heads * tasks_per_head; i++) {
+            if (buf == NULL) continue;
             const int64_t h = i % heads, kh = h / group;
-            const prefill_task t = {q, out, g.kt + kh * head_dim * g.ks, g.vv + kh * L16 * head_dim, L16, g.ks,
-                                    g.key0, seq_len, num_q, heads, h, (row_blocks - 1 - i / heads) * PREFILL_ROWS,
-                                    window, scale, softcap};
-            run_prefill_task_any(&t, head_dim, s);
+            const prefill_task t = {q, out, g.kt + kh * keys * head_dim, g.vv + kh * keys * head_dim, g.key0,
+                                    seq_len, num_q, heads, h, (tasks_per_head - 1 - i / heads) * QT, window, scale,
+                                    softcap};
+            run_prefill_task_any(&t, head_dim, &sc);
         }
-        free(s);
+        free(buf);
     }
     free(g.kt); free(g.vv);
     return failed;

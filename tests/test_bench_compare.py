@@ -245,3 +245,44 @@ def test_the_llama_cpp_process_files_import_only_the_standard_library():
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["False", "False"], module.__name__
+
+
+FAKE_QUANTIZE = """#!{python}
+import shutil, sys, json, pathlib
+args = sys.argv[1:]
+pathlib.Path({log!r}).open("a").write(json.dumps(args) + "\\n")
+if args[3] == "Q6_K":
+    sys.exit("unknown type")
+shutil.copyfile(args[1], args[2])
+"""
+
+
+def test_compare_quant_types_run_batch1_on_each_llama_quantize_copy(tiny_gguf_model, tmp_path, monkeypatch, capsys):
+    """--quant-types: each type's file made once by llama-quantize (here a fake that copies and logs
+    its arguments), tokenmill's batch-1 rows on it under the type's name with the batch-1 targets,
+    and a type llama-quantize refuses is a cell saying so: the other types still run, and the command
+    fails at the end (as for any error cell)."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    log = tmp_path / "quantize.log"
+    fake = peers.peers_dir() / "bin" / "llama-quantize"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(FAKE_QUANTIZE.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    model = str(tiny_gguf_model("llama"))
+    out = tmp_path / "compare.json"
+    argv = ["bench", "compare", "--model", model, *SMALL, "--concurrency", "--decode-heavy-concurrency", "--peers",
+            "--quant-types", "Q8_0", "Q6_K", "--output", str(out)]
+    assert main(argv) == 1
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c[0] for c in calls] == ["--allow-requantize"] * 2 and [c[1] for c in calls] == [model] * 2
+    assert [c[3:] for c in calls] == [["Q8_0", "1"], ["Q6_K", "1"]]   # type, threads
+    assert Path(calls[0][2]).name.endswith(".tmp")   # written aside, then renamed
+    rows = _rows(json.loads(out.read_text()))
+    for key in ("Q8_0/prefill_16_tok_s", "Q8_0/prefill_64_tok_s", "Q8_0/decode_tok_s"):
+        assert rows[key]["tokenmill"] > 0
+    assert rows["Q8_0/decode_tok_s"]["target"] == 1.0 and rows["Q6_K/decode_tok_s"]["tokenmill"] == "error"
+    assert "llama-quantize Q6_K failed" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    made = peers.derived_gguf(model, "quant-types", "Q8_0")
+    assert report["results"]["tokenmill"]["types"]["Q8_0"]["greedy_tokens"] and made.is_file()
+    assert main(argv) == 1 and len(log.read_text().splitlines()) == 3   # Q8_0 made once; Q6_K tried again

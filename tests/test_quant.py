@@ -357,7 +357,10 @@ def test_default_model_kept_quantized_matches_dequantized_reference(default_gguf
     bf16 (mean KL 1.5e-6 vs 1.6e-3 measured). Greedy tokens then agree unless the reference itself
     hesitates: a continuation may flip only where the reference's top two candidates are within
     0.05 nats. That is with the reference's float32 KV cache; the default (a bfloat16 cache on CPU)
-    adds the cache's rounding: still within 0.2% perplexity."""
+    adds the cache's rounding: still within 0.2% perplexity. Over ~850 tokens: on a quarter of that,
+    last-bit changes in any kernel (flipping a bf16 or activation rounding somewhere) swing the
+    perplexity by up to 0.2% either way (-0.02% and -0.24% seen for two equally exact attention
+    kernels)."""
     ckpt = GGUFCheckpoint(default_gguf_path)
     assert {ckpt.tensor_type(n) for n in ckpt.tensor_names()} == {"F32", "Q4_1", "Q8_0"}
     quantized = LLM(str(default_gguf_path), num_kv_blocks=64, dtype="float32", kv_cache_dtype="float32")
@@ -371,7 +374,7 @@ def test_default_model_kept_quantized_matches_dequantized_reference(default_gguf
     default = LLM(str(default_gguf_path), num_kv_blocks=64, dtype="float32")
     assert default.engine.kv_caches[0].dtype == torch.bfloat16
     report = compare_scorers({"none": Scorer(reference), "auto-kv-f32": Scorer(quantized), "auto": Scorer(default)},
-                             TEXT_PATH.read_text(encoding="utf-8")[:1200], context=1024, chunk_size=32)
+                             TEXT_PATH.read_text(encoding="utf-8")[:4000], context=1024, chunk_size=32)
     ppl = {r["mode"]: r["perplexity"] for r in report["results"]}
     exact_cache, auto = report["results"][1], report["results"][2]
     assert exact_cache["mean_kl"] < 1e-4 and exact_cache["top1_agreement"] > 0.99

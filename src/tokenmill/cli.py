@@ -252,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     startup.add_startup_args(b)
     b.set_defaults(func=startup.cmd_startup)
 
+    from tokenmill.bench import longctx
+    _model_bench(bench, "longctx", "long context at batch 1: prefill and decode tok/s at 2k-16k tokens vs "
+                 "llama.cpp with flash attention and the same K/V type, and decode against the roofline",
+                 longctx.add_longctx_args, longctx.cmd_longctx)
+
     from tokenmill.bench import spec
     _model_bench(bench, "spec", "speculative decoding: output tok/s off / ngram / draft model on an "
                  "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup",

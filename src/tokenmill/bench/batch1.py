@@ -48,17 +48,47 @@ def measure(gen: Generate, work: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp through llama-cpp-python (`eval` + greedy argmax on its logits, `logits_all` off),
-    on cfg's model, threads and context; run it with `procs.run_bare`."""
+def measure_long(gen: Generate, work: dict[str, Any]) -> dict[str, Any]:
+    """Long context (`bench longctx`): for each length L of work["long_prompts"] ({L: a fresh prompt
+    per repeat}), prefill tokens/s (L / TTFT) and the decode tokens/s of work["decode_tokens"] tokens
+    after the first, the medians over repeats and their spreads ((max - min) / median)."""
+    for ids in work["warmup_prompts"]:
+        gen(ids, 2)
+    rows: dict[str, Any] = {}
+    for n, prompts in work["long_prompts"].items():
+        ttfts, rates = [], []
+        for ids in prompts:
+            start, times, tokens = gen(ids, work["decode_tokens"] + 1)
+            if len(tokens) != work["decode_tokens"] + 1:
+                raise RuntimeError(f"asked for {work['decode_tokens'] + 1} tokens, got {len(tokens)}")
+            ttfts.append(times[0] - start)
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+        rows[str(n)] = {"prefill_tok_s": int(n) / statistics.median(ttfts), "ttft_s": statistics.median(ttfts),
+                        "prefill_spread": (max(ttfts) - min(ttfts)) / statistics.median(ttfts),
+                        "decode_tok_s": statistics.median(rates),
+                        "decode_spread": (max(rates) - min(rates)) / statistics.median(rates)}
+    return rows
+
+
+def _llama_cpp_generator(cfg: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
+    """llama.cpp's `gen` through llama-cpp-python (`eval` + greedy argmax on its logits, `logits_all`
+    off) on cfg's model, threads and context, with flash attention and the K/V cache type where cfg
+    asks (`flash_attn`, `kv_type`: "f16" or "q8_0"; otherwise llama.cpp's defaults); and what describes
+    the run."""
     import ctypes
 
     import llama_cpp
     import numpy as np
 
+    options: dict[str, Any] = {}   # llama.cpp's defaults where cfg does not ask: no flash attention, f16 K/V
+    if "flash_attn" in cfg:
+        options["flash_attn"] = cfg["flash_attn"]
+    if "kv_type" in cfg:
+        kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[cfg["kv_type"]]
+        options.update(type_k=kv_type, type_v=kv_type)
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(cfg["model"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
-                          n_threads_batch=cfg["threads"], logits_all=False, n_gpu_layers=0, verbose=False)
+                          n_threads_batch=cfg["threads"], logits_all=False, n_gpu_layers=0, verbose=False, **options)
     load_s = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
 
@@ -79,5 +109,18 @@ def llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter())
         return start, times, tokens
 
-    return {"engine": "llama.cpp", "load_s": load_s, "version": llama_cpp.__version__, "threads": cfg["threads"],
-            "n_ctx": cfg["n_ctx"], **measure(gen, cfg)}
+    return gen, {"engine": "llama.cpp", "load_s": load_s, "version": llama_cpp.__version__,
+                 "threads": cfg["threads"], "n_ctx": cfg["n_ctx"], "flash_attn": cfg.get("flash_attn", False),
+                 "kv_type": cfg.get("kv_type", "f16")}
+
+
+def llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's batch-1 row (`measure`); run it with `procs.run_bare`."""
+    gen, info = _llama_cpp_generator(cfg)
+    return {**info, **measure(gen, cfg)}
+
+
+def llama_cpp_long(cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's long-context rows (`measure_long`); run it with `procs.run_bare`."""
+    gen, info = _llama_cpp_generator(cfg)
+    return {**info, "contexts": measure_long(gen, cfg)}

@@ -21,6 +21,10 @@ What is measured, each engine in its own process, one after the other:
   in the table and fails the command. `transformers` has no server: it runs the mixed requests as
   static batches of C (`bench throughput`'s runner).
 - peak resident memory of each engine's process (batch-1 process; server or batch process).
+- with `--quant-types` (e.g. every type of `peers.QUANT_TYPES`: Q4_0 Q4_1 Q5_K_M Q4_K_M Q6_K Q8_0
+  F16), the batch-1 rows again for tokenmill and llama.cpp on each type, made from the same weights
+  by llama.cpp's own `llama-quantize` (`peers.quantized_copy`; built with llama-server): llama.cpp
+  has fast paths for some types and not for others, so one type's ratios do not speak for the rest.
 
 A peer that is not installed is a column saying so (and the command says how to install it); the
 others still run.
@@ -89,7 +93,10 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="a llama-server binary (default: $TOKENMILL_LLAMA_SERVER, else the one built into the cache)")
     g.add_argument("--build-peers", action="store_true",
-                   help="build llama-server first if it is missing (about 6 minutes on 2 cores)")
+                   help="build llama-server and llama-quantize first if missing (about 6 minutes on 2 cores)")
+    g.add_argument("--quant-types", nargs="*", default=[], choices=peers.QUANT_TYPES, metavar="TYPE",
+                   help=f"also the batch-1 rows on the model requantized by llama-quantize to each TYPE "
+                   f"({' '.join(peers.QUANT_TYPES)})")
     b.add_argument("--output", default="bench-results/compare.json")
 
 
@@ -182,7 +189,8 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     # Which peers are there.
     server_status = peers.llama_server_status(args.llama_server)
-    if "llama.cpp" in args.peers and all_levels and args.build_peers and not server_status.available:
+    if args.build_peers and ((all_levels and "llama.cpp" in args.peers and not server_status.available)
+                             or (args.quant_types and not peers.llama_quantize_status().available)):
         peers.build_llama_server()
         server_status = peers.llama_server_status(args.llama_server)
     status = {"llama_cpp": peers.llama_cpp_python_status(), "llama_server": server_status}
@@ -207,7 +215,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         "decode_heavy_output_len": DECODE_HEAVY_OUTPUT_LEN, "concurrent_repeats": args.concurrent_repeats,
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "output_tokens": sum(output_lens), "batch1_n_ctx": b1["n_ctx"], "server_slots": slots,
-        "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(),
+        "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(), "quant_types": args.quant_types,
         "llama_cpp_python_pin": peers.LLAMA_CPP_PYTHON_VERSION,
     }
     results: dict[str, dict[str, Any]] = {e: {"engine": e} for e in ENGINES}
@@ -235,6 +243,23 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         note_load(f"transformers batch 1 ({dtype})")
         results["transformers"]["batch1"] = peers.guarded("transformers batch 1", run_spawned, transformers_row,
                                                      {**b1, "dtype": dtype})
+
+    # ---- batch 1 on each GGUF type ----
+    for qtype in args.quant_types:
+        try:
+            typed = {**b1, "model": peers.quantized_copy(model, qtype, args.threads)}
+        except TokenmillError as e:
+            print(f"{qtype}: {e}", flush=True)
+            for engine in ("tokenmill", "llama.cpp"):
+                results[engine].setdefault("types", {})[qtype] = {"error": str(e)}
+            continue
+        note_load(f"tokenmill batch 1, {qtype}")
+        results["tokenmill"].setdefault("types", {})[qtype] = peers.guarded(
+            f"tokenmill batch 1, {qtype}", run_spawned, tokenmill_row, typed)
+        if "llama.cpp" in args.peers and status["llama_cpp"].available:
+            note_load(f"llama.cpp batch 1, {qtype}")
+            results["llama.cpp"].setdefault("types", {})[qtype] = peers.guarded(
+                f"llama.cpp batch 1, {qtype}", run_bare, batch1.llama_cpp, typed, args.timeout * 4)
 
     # ---- concurrent load ----
     if all_levels:
@@ -326,6 +351,10 @@ def _metric_rows(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(key, label, where in an engine's results): the table's rows, in order."""
     rows = [(f"prefill_{n}_tok_s", f"prefill {n} tok/s", "batch1") for n in cfg["prefill_lens"]]
     rows.append(("decode_tok_s", "decode tok/s", "batch1"))
+    for qtype in cfg.get("quant_types", []):   # key "TYPE/metric", where "types/TYPE"
+        rows += [(f"{qtype}/prefill_{n}_tok_s", f"{qtype} prefill {n} tok/s", f"types/{qtype}")
+                 for n in cfg["prefill_lens"]]
+        rows.append((f"{qtype}/decode_tok_s", f"{qtype} decode tok/s", f"types/{qtype}"))
     rows += [(f"concurrent_{c}_out_tok_s", f"mixed {c}-conc. out tok/s", "concurrent") for c in cfg["concurrency"]]
     rows += [(f"decode_heavy_{c}_out_tok_s", f"decode-heavy {c}-conc. out tok/s", "concurrent")
              for c in cfg["decode_heavy_concurrency"]]
@@ -336,7 +365,11 @@ def _metric_rows(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def _value(result: dict[str, Any], key: str, where: str) -> float | str | None:
-    part = result.get(where)
+    if where.startswith("types/"):   # a GGUF type's batch-1 rows
+        part = result.get("types", {}).get(where.removeprefix("types/"))
+        key = key.split("/", 1)[1]
+    else:
+        part = result.get(where)
     if part is None:
         return None   # not run (--peers)
     if "missing" in part:
@@ -385,7 +418,7 @@ def build_table(cfg: dict[str, Any], results: dict[str, dict[str, Any]]) -> list
         tm, lc = row["tokenmill"], row["llama.cpp"]
         numeric = isinstance(tm, (int, float)) and isinstance(lc, (int, float)) and lc > 0
         row["ratio"] = tm / lc if numeric else None
-        target = TARGETS.get(key)
+        target = TARGETS.get(key.split("/")[-1])   # a GGUF type's rows: the batch-1 targets
         row["target"] = target
         row["met"] = None if target is None or row["ratio"] is None else row["ratio"] >= target
         table.append(row)
@@ -396,13 +429,15 @@ def greedy_agreement(results: dict[str, dict[str, Any]]) -> dict[str, int]:
     """For each peer with batch-1 results: how many leading greedy tokens (first decode prompt, the
     same ids for everyone) equal tokenmill's. Quantized and dequantized weights may part ways
     after a while; a mismatch at token 0 means the engines do not run the same model."""
-    mine = results["tokenmill"].get("batch1", {}).get("greedy_tokens")
+    pairs = [(engine, results["tokenmill"].get("batch1"), results[engine].get("batch1")) for engine in ENGINES[1:]]
+    pairs += [(f"llama.cpp {qtype}", row, results["llama.cpp"].get("types", {}).get(qtype))
+              for qtype, row in results["tokenmill"].get("types", {}).items()]
     agree = {}
-    for engine in ENGINES[1:]:
-        theirs = (results[engine].get("batch1") or {}).get("greedy_tokens")
+    for name, mine, theirs in pairs:
+        mine, theirs = (mine or {}).get("greedy_tokens"), (theirs or {}).get("greedy_tokens")
         if mine is not None and theirs is not None:
             same = [a == b for a, b in zip(mine, theirs, strict=False)]
-            agree[engine] = same.index(False) if False in same else len(same)
+            agree[name] = same.index(False) if False in same else len(same)
     return agree
 
 

@@ -10,7 +10,9 @@ llama.cpp's source. Its version is pinned here, in `LLAMA_CPP_PYTHON_VERSION` (p
   batching): built here from the same sdist's `vendor/llama.cpp` with cmake into
   `~/.cache/tokenmill/peers/llama.cpp-<version>/bin/llama-server` (about 6 minutes on 2 cores).
   Used for concurrent load. (llama-cpp-python's own Python server serves one request at a time,
-  so it is not a fair peer under load.)
+  so it is not a fair peer under load.) `llama-quantize`, llama.cpp's own quantizer, is built beside
+  it in the same build: `bench compare --quant-types` makes every GGUF type from the same weights
+  with it.
 
 Both are compiled with native CPU flags (`-DGGML_NATIVE=ON`, i.e. `-march=native`).
 `scripts/install-peers.sh` installs both; `python -m tokenmill.bench.peers status|build-llama-server`
@@ -41,7 +43,7 @@ from tokenmill.errors import TokenmillError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # the one pin of both peers (pyproject's `peers` extra must match)
 # llama.cpp options for the server build: native CPU code, a static binary (relocatable into the
-# cache), no HTTPS, no web UI (its prebuilt assets would be downloaded), nothing but llama-server.
+# cache), no HTTPS, no web UI (its prebuilt assets would be downloaded), nothing but LLAMA_TOOLS.
 LLAMA_SERVER_CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
@@ -50,6 +52,7 @@ LLAMA_SERVER_CMAKE_FLAGS = [
 # The flags for pip's build of llama-cpp-python (CMAKE_ARGS): native code, no multimodal library.
 LLAMA_CPP_PYTHON_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
 LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"    # an explicit llama-server binary (wins over the cache)
+LLAMA_TOOLS = ("llama-server", "llama-quantize")   # the binaries build_llama_server builds
 
 INSTALL_HINT = "scripts/install-peers.sh (both peers), or: pip install -e .[peers] (llama_cpp only)"
 SERVER_HINT = ("scripts/install-peers.sh, or: python -m tokenmill.bench.peers build-llama-server "
@@ -72,6 +75,17 @@ def peers_dir() -> Path:
 def cached_llama_server() -> Path:
     """Where `build_llama_server` puts the binary (it may not be there)."""
     return peers_dir() / "bin" / "llama-server"
+
+
+def llama_quantize_status() -> PeerStatus:
+    """Is llama.cpp's `llama-quantize` built into the cache (beside llama-server)?"""
+    path = peers_dir() / "bin" / "llama-quantize"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return PeerStatus("llama.cpp (llama-quantize)", False, None, None,
+                          f"not built ({path}): build it with {SERVER_HINT}")
+    version = _read_build_info(path.parent.parent).get("llama_cpp_python_version")
+    return PeerStatus("llama.cpp (llama-quantize)", True, version, str(path),
+                      f"{path} (built from the llama-cpp-python {version} sdist)")
 
 
 def llama_cpp_python_status() -> PeerStatus:
@@ -123,6 +137,40 @@ def llama_server_for(explicit: str | None, wanted: bool, model: str) -> PeerStat
     return server
 
 
+def derived_gguf(model: str, folder: str, tag: str) -> Path:
+    """Where a bench keeps a file it made from the GGUF `model` (a requantized or relabelled copy):
+    cache_root()/folder, named by the source's name, size and time (a changed source makes a new one)
+    and `tag`. The caller writes it there once (atomically) when it is missing."""
+    stat = Path(model).stat()
+    return cache_root() / folder / f"{Path(model).stem}-{stat.st_size}-{stat.st_mtime_ns}-{tag}.gguf"
+
+
+# The GGUF types `bench compare --quant-types` makes with llama-quantize: those a user is likely to download.
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_K_M", "Q4_K_M", "Q6_K", "Q8_0", "F16"]
+
+
+def quantized_copy(model: str, qtype: str, threads: int) -> str:
+    """`model` requantized to `qtype` by llama.cpp's own llama-quantize (with --allow-requantize: the
+    source may itself be quantized, as the embedded model is; the copy then carries the source's
+    rounding too), made once in the cache folder. llama-quantize picks each tensor's type as it does
+    for any user (e.g. Q4_K_M keeps some tensors in Q6_K, and rows not a multiple of 256 fall back to
+    other types)."""
+    status = llama_quantize_status()
+    if not status.available:
+        raise TokenmillError(f"llama-quantize is {status.detail}")
+    target = derived_gguf(model, "quant-types", qtype)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([status.where, "--allow-requantize", model, str(partial), qtype, str(threads)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise TokenmillError(f"llama-quantize {qtype} failed ({done.returncode}): {done.stderr[-2000:]}")
+        partial.replace(target)
+    return str(target)
+
+
 def guarded(what: str, fn, *args: Any) -> Any:
     """fn(*args) for a peer: a peer that fails is a cell of the table, not the end of the run (its
     result is then {"error": ...})."""
@@ -160,19 +208,20 @@ def _run(command: list[str], log, cwd: Path | None = None) -> None:
 
 def build_llama_server(jobs: int | None = None, force: bool = False, keep_source: bool = False) -> Path:
     """Download the pinned llama-cpp-python sdist (pip, from the package index), build llama.cpp's
-    `llama-server` from its vendored source with native CPU flags, and install the binary into the
-    cache. Returns the binary's path; does nothing when it is already there (unless `force`)."""
+    `llama-server` and `llama-quantize` (LLAMA_TOOLS) from its vendored source with native CPU flags,
+    and install the binaries into the cache. Returns llama-server's path; does nothing when both are
+    already there (unless `force`)."""
     dest = peers_dir()
     binary = dest / "bin" / "llama-server"
-    if binary.is_file() and not force:
+    if all((dest / "bin" / tool).is_file() for tool in LLAMA_TOOLS) and not force:
         return binary
     cmake = find_cmake()
     jobs = jobs or os.cpu_count() or 1
     dest.mkdir(parents=True, exist_ok=True)
     log_path = dest / "build-llama-server.log"
     start = time.time()
-    print(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (log: {log_path}) ...",
-          flush=True)
+    print(f"building {' and '.join(LLAMA_TOOLS)} from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} "
+          f"(log: {log_path}) ...", flush=True)
     with open(log_path, "wb") as log, tempfile.TemporaryDirectory(prefix="llama-server-", dir=dest) as tmp:
         work = Path(tmp)
         _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-cache-dir",
@@ -188,19 +237,20 @@ def build_llama_server(jobs: int | None = None, force: bool = False, keep_source
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = work / "build"
         _run([cmake, "-S", str(source), "-B", str(build), *LLAMA_SERVER_CMAKE_FLAGS], log)
-        _run([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)], log)
-        built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
-        if built is None:
-            raise TokenmillError(f"the build finished but produced no llama-server binary; see {log_path}")
+        _run([cmake, "--build", str(build), "--target", *LLAMA_TOOLS, "-j", str(jobs)], log)
         (dest / "bin").mkdir(exist_ok=True)
-        shutil.copy2(built, binary)
+        for tool in LLAMA_TOOLS:
+            built = next((p for p in build.rglob(tool) if p.is_file() and os.access(p, os.X_OK)), None)
+            if built is None:
+                raise TokenmillError(f"the build finished but produced no {tool} binary; see {log_path}")
+            shutil.copy2(built, dest / "bin" / tool)
         if keep_source:
             shutil.copytree(source, dest / "src", dirs_exist_ok=True)
     info = {"llama_cpp_python_version": LLAMA_CPP_PYTHON_VERSION, "cmake_flags": LLAMA_SERVER_CMAKE_FLAGS,
             "build_seconds": round(time.time() - start), "jobs": jobs, "machine": platform.machine(),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (dest / "build-info.json").write_text(json.dumps(info, indent=2))
-    print(f"built {binary} in {info['build_seconds']} s", flush=True)
+    print(f"built {', '.join(LLAMA_TOOLS)} in {dest / 'bin'} in {info['build_seconds']} s", flush=True)
     return binary
 
 
@@ -208,7 +258,7 @@ def build_llama_server(jobs: int | None = None, force: bool = False, keep_source
 
 def print_status() -> bool:
     """Print one line per peer; True when every peer is there."""
-    statuses = [llama_cpp_python_status(), llama_server_status()]
+    statuses = [llama_cpp_python_status(), llama_server_status(), llama_quantize_status()]
     for s in statuses:
         print(f"{s.name:<26} {'ok' if s.available else 'MISSING':<8} {s.detail}")
     return all(s.available for s in statuses)
@@ -220,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", help="which peers are installed (exit status 1 when one is missing)")
     sub.add_parser("version", help="print the pinned llama-cpp-python version")
     sub.add_parser("cmake-args", help="print the CMAKE_ARGS for pip's build of llama-cpp-python")
-    b = sub.add_parser("build-llama-server", help="build llama-server from the pinned sdist into the cache")
+    b = sub.add_parser("build-llama-server", help="build llama-server and llama-quantize from the pinned sdist "
+                       "into the cache")
     b.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)")
     b.add_argument("--force", action="store_true", help="rebuild even when the binary is there")
     b.add_argument("--keep-source", action="store_true", help="also keep the llama.cpp source in the cache")
@@ -241,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def status_dict() -> list[dict]:
-    return [asdict(s) for s in (llama_cpp_python_status(), llama_server_status())]
+    return [asdict(s) for s in (llama_cpp_python_status(), llama_server_status(), llama_quantize_status())]
 
 
 if __name__ == "__main__":

@@ -43,22 +43,31 @@ class Machine:
     matmul: str               # which: torch's in the compute dtype, or tokenmill's quantized kernel
 
 
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth_gb_s(buffer_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of a sum over a buffer far larger than the caches, with torch's threads (the best of
+    `repeats`)."""
+    buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+    return buffer_bytes / _best_time(buf.sum, repeats) / 1e9
+
+
 def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: int = 1 << 30, n: int = 2048,
                     repeats: int = 5) -> Machine:
     """Read bandwidth, and the matmul peak of torch in `dtype` or, for weights held in `bits` (4 or 8),
     of the quantized kernel (float-equivalent FLOPs: 2 per weight per row, as the rows count them)."""
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return _best_time(fn, repeats)
 
-    buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-    read = buffer_bytes / best(buf.sum) / 1e9
-    del buf
+    read = read_bandwidth_gb_s(buffer_bytes, repeats)
     if bits is None:
         a = torch.randn(n, n).to(dtype)
         flops = 2 * n**3 / best(lambda: a @ a) / 1e9

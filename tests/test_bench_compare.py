@@ -286,3 +286,21 @@ def test_compare_quant_types_run_batch1_on_each_llama_quantize_copy(tiny_gguf_mo
     made = peers.derived_gguf(model, "quant-types", "Q8_0")
     assert report["results"]["tokenmill"]["types"]["Q8_0"]["greedy_tokens"] and made.is_file()
     assert main(argv) == 1 and len(log.read_text().splitlines()) == 3   # Q8_0 made once; Q6_K tried again
+
+
+def test_compare_long_contexts_adds_bench_longctx_rows(tiny_gguf_model, tmp_path, capsys):
+    """--long-contexts: bench longctx's batch-1 rows in compare's table (the decode ratio's target at
+    every length), and tokenmill's decode there against the bandwidth bound."""
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *SMALL, "--concurrency",
+                 "--decode-heavy-concurrency", "--peers", "--long-contexts", "48", "32", "--long-decode-tokens", "4",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    for n in (32, 48):
+        assert rows[f"long_{n}_prefill_tok_s"]["tokenmill"] > 0 and rows[f"long_{n}_prefill_tok_s"]["target"] is None
+        assert rows[f"long_{n}_decode_tok_s"]["tokenmill"] > 0 and rows[f"long_{n}_decode_tok_s"]["target"] == 3.0
+    assert [r["context"] for r in report["long_roofline"]] == [32, 48]
+    assert all(0 < r["fraction"] and r["met"] == (r["fraction"] >= 0.85) for r in report["long_roofline"])
+    assert report["config"]["long"]["decode_tokens"] == 4
+    assert "32-token prompt decode: " in capsys.readouterr().out

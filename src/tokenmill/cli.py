@@ -257,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "llama.cpp with flash attention and the same K/V type, and decode against the roofline",
                  longctx.add_longctx_args, longctx.cmd_longctx)
 
+    from tokenmill.bench import scaling
+    _model_bench(bench, "scaling", "decode step time and tok/s against the roofline bound as the batch (1-128) and "
+                 "the context (128-16k) grow: a table, JSON and PNG plots",
+                 scaling.add_scaling_args, scaling.cmd_scaling)
+
     from tokenmill.bench import spec
     _model_bench(bench, "spec", "speculative decoding: output tok/s off / ngram / draft model on an "
                  "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup",

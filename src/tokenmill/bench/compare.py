@@ -25,6 +25,9 @@ What is measured, each engine in its own process, one after the other:
   F16), the batch-1 rows again for tokenmill and llama.cpp on each type, made from the same weights
   by llama.cpp's own `llama-quantize` (`peers.quantized_copy`; built with llama-server): llama.cpp
   has fast paths for some types and not for others, so one type's ratios do not speak for the rest.
+- with `--long-contexts` (e.g. 2048 8192 16384), `bench longctx`'s rows: batch-1 prefill of prompts
+  that long and decode after them, against llama.cpp with flash attention and the same K/V bytes,
+  and decode as a fraction of the bandwidth bound (`longctx.measure`).
 
 A peer that is not installed is a column saying so (and the command says how to install it); the
 others still run.
@@ -39,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import batch1, peers
+from tokenmill.bench import batch1, longctx, peers
 from tokenmill.bench import serve as bench_serve
 from tokenmill.bench.latency import (
     DEFAULT_DECODE_PROMPT_LEN,
@@ -66,7 +69,9 @@ ENGINES = ["tokenmill", "llama.cpp", "transformers"]
 WORKLOADS = {"mixed": "concurrent", "decode-heavy": "decode_heavy"}   # workload -> its rows' key prefix
 # The issues' targets, as tokenmill / llama.cpp ratios in the same run: (row key, minimum ratio).
 TARGETS = {"prefill_512_tok_s": 2.0, "decode_tok_s": 1.0, "concurrent_32_out_tok_s": 3.0,
-           "decode_heavy_32_out_tok_s": 4.0, "decode_heavy_64_out_tok_s": 4.0}
+           "decode_heavy_32_out_tok_s": 4.0, "decode_heavy_64_out_tok_s": 4.0, "long_8192_prefill_tok_s": 4.0}
+LONG_DECODE_TARGET = 3.0         # every long context's decode ratio
+LONG_ROOFLINE_TARGET = 0.85      # and tokenmill's decode there as a fraction of the bandwidth bound
 
 
 def add_compare_args(b: argparse.ArgumentParser) -> None:
@@ -89,6 +94,11 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the request lengths and prompts")
     g.add_argument("--input-len-range", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     g.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    g.add_argument("--long-contexts", type=int, nargs="*", default=[], metavar="N",
+                   help="also batch 1 after prompts of N tokens (bench longctx's rows, e.g. 2048 8192 16384; "
+                   "llama.cpp with flash attention)")
+    g.add_argument("--long-decode-tokens", type=int, default=longctx.DEFAULT_DECODE_TOKENS,
+                   help="decode tokens timed after each long prompt")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request / per batch-1 run")
     g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="a llama-server binary (default: $TOKENMILL_LLAMA_SERVER, else the one built into the cache)")
@@ -168,6 +178,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.concurrent_repeats < 1:
         raise TokenmillError(f"--concurrent-repeats: must be >= 1, got {args.concurrent_repeats}")
+    if args.long_decode_tokens < 1:
+        raise TokenmillError(f"--long-decode-tokens: must be >= 1, got {args.long_decode_tokens}")
+    if args.long_contexts:
+        args.long_contexts = longctx.check_contexts(args.long_contexts)
 
 
 def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -216,6 +230,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "output_tokens": sum(output_lens), "batch1_n_ctx": b1["n_ctx"], "server_slots": slots,
         "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(), "quant_types": args.quant_types,
+        "long_contexts": args.long_contexts,
         "llama_cpp_python_pin": peers.LLAMA_CPP_PYTHON_VERSION,
     }
     results: dict[str, dict[str, Any]] = {e: {"engine": e} for e in ENGINES}
@@ -260,6 +275,14 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
             note_load(f"llama.cpp batch 1, {qtype}")
             results["llama.cpp"].setdefault("types", {})[qtype] = peers.guarded(
                 f"llama.cpp batch 1, {qtype}", run_bare, batch1.llama_cpp, typed, args.timeout * 4)
+
+    # ---- long context ----
+    if args.long_contexts:
+        note_load("long context")
+        cfg["long"], long_results = longctx.measure(model, args.long_contexts, args, args.long_decode_tokens,
+                                                    "llama.cpp" in args.peers, load_avgs)
+        for engine, row in long_results.items():
+            results[engine]["long"] = row
 
     # ---- concurrent load ----
     if all_levels:
@@ -336,10 +359,11 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     cfg["wall_s"] = time.perf_counter() - bench_start
     table = build_table(cfg, results)
     agreement = greedy_agreement(results)
-    print_table(cfg, table, load_avgs, status if missing else {}, agreement)
+    roofline = long_roofline(results)
+    print_table(cfg, table, load_avgs, status if missing else {}, agreement, roofline)
     report = {"config": cfg, "load_average_before": load_avgs, "peers": peers.status_dict(), "table": table,
-              "greedy_agreement": agreement, "results": results, "input_lens": [len(p) for p in prompts],
-              "output_lens": output_lens}
+              "greedy_agreement": agreement, "long_roofline": roofline, "results": results,
+              "input_lens": [len(p) for p in prompts], "output_lens": output_lens}
     out_path.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out_path}")
     return report
@@ -355,6 +379,9 @@ def _metric_rows(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows += [(f"{qtype}/prefill_{n}_tok_s", f"{qtype} prefill {n} tok/s", f"types/{qtype}")
                  for n in cfg["prefill_lens"]]
         rows.append((f"{qtype}/decode_tok_s", f"{qtype} decode tok/s", f"types/{qtype}"))
+    for n in cfg.get("long_contexts", []):
+        rows += [(f"long_{n}_prefill_tok_s", f"{n}-token prompt prefill tok/s", "long"),
+                 (f"long_{n}_decode_tok_s", f"{n}-token prompt decode tok/s", "long")]
     rows += [(f"concurrent_{c}_out_tok_s", f"mixed {c}-conc. out tok/s", "concurrent") for c in cfg["concurrency"]]
     rows += [(f"decode_heavy_{c}_out_tok_s", f"decode-heavy {c}-conc. out tok/s", "concurrent")
              for c in cfg["decode_heavy_concurrency"]]
@@ -378,6 +405,9 @@ def _value(result: dict[str, Any], key: str, where: str) -> float | str | None:
         return "error"
     if key.endswith("peak_rss_mib"):
         return part.get("peak_rss_mib")
+    if where == "long":   # "long_N_prefill_tok_s" -> the rate at context N
+        _, n, metric = key.split("_", 2)
+        return part["contexts"][n][metric]
     name = _level_name(key)
     if name is not None:
         level = part["levels"].get(name)
@@ -418,11 +448,28 @@ def build_table(cfg: dict[str, Any], results: dict[str, dict[str, Any]]) -> list
         tm, lc = row["tokenmill"], row["llama.cpp"]
         numeric = isinstance(tm, (int, float)) and isinstance(lc, (int, float)) and lc > 0
         row["ratio"] = tm / lc if numeric else None
-        target = TARGETS.get(key.split("/")[-1])   # a GGUF type's rows: the batch-1 targets
+        target = target_of(key)
         row["target"] = target
         row["met"] = None if target is None or row["ratio"] is None else row["ratio"] >= target
         table.append(row)
     return table
+
+
+def long_roofline(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """tokenmill's decode after each long prompt as a fraction of the bandwidth bound, against
+    LONG_ROOFLINE_TARGET."""
+    long = results["tokenmill"].get("long") or {}
+    return [{"context": int(n), "bound_tok_s": row["decode_bound_tok_s"], "fraction": row["decode_roofline_fraction"],
+             "read_gb_s": long["read_gb_s"], "target": LONG_ROOFLINE_TARGET,
+             "met": row["decode_roofline_fraction"] >= LONG_ROOFLINE_TARGET}
+            for n, row in long.get("contexts", {}).items()]
+
+
+def target_of(key: str) -> float | None:
+    """A row's target ratio (a GGUF type's rows: the batch-1 targets)."""
+    if key.startswith("long_") and key.endswith("_decode_tok_s"):
+        return LONG_DECODE_TARGET
+    return TARGETS.get(key.split("/")[-1])
 
 
 def greedy_agreement(results: dict[str, dict[str, Any]]) -> dict[str, int]:
@@ -450,7 +497,7 @@ def _cell(v: Any, key: str) -> str:
 
 
 def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dict[str, float | None],
-                missing: dict[str, Any], agreement: dict[str, int]) -> None:
+                missing: dict[str, Any], agreement: dict[str, int], roofline: list[dict[str, Any]]) -> None:
     print(f"\nmodel: {cfg['model']}\nthreads: {cfg['threads']} for every engine (of {cfg['cpu_count']} cores); "
           f"batch 1: median of {cfg['repeats']}, decode = {cfg['decode_tokens']} tokens after a "
           f"{cfg['decode_prompt_len']}-token prompt")
@@ -487,6 +534,12 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
                                        r["spreads"].get(e) is not None else "") for e in ENGINES]
         print(f"{r['label']:<34}{cells[0]:>13}{cells[1]:>15}{cells[2]:>15}{ratio:>14}  {target}")
     print("ratio: tokenmill / llama.cpp (rates: higher is better for tokenmill; memory: lower is)")
+    if cfg.get("long_contexts"):
+        print(f"N-token prompt rows (bench longctx): llama.cpp with flash attention and K/V of tokenmill's cache size "
+              f"(f16 for bf16); decode = {cfg['long']['decode_tokens']} tokens after the first")
+    for r in roofline:
+        print(f"{r['context']}-token prompt decode: {r['fraction']:.0%} of the bandwidth bound ({r['bound_tok_s']:.0f} "
+              f"tok/s at {r['read_gb_s']:.1f} GB/s read): >= {r['target']:.0%} {'met' if r['met'] else 'NOT met'}")
     if agreement:
         print("greedy decode tokens equal to tokenmill's, from the start (same prompt ids): "
               + ", ".join(f"{e} {n}/{cfg['decode_tokens']}" for e, n in agreement.items()))

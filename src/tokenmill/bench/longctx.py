@@ -101,58 +101,73 @@ def tokenmill_long(cfg: dict[str, Any]) -> dict[str, Any]:
             "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_token, "contexts": contexts}
 
 
-def run_longctx_bench(args: argparse.Namespace) -> dict[str, Any]:
+def check_contexts(contexts: list[int]) -> list[int]:
+    if any(n < 16 for n in contexts):
+        raise TokenmillError(f"long contexts: each must be >= 16 tokens, got {contexts}")
+    return sorted(set(contexts))
+
+
+def measure(source: str, contexts: list[int], args: argparse.Namespace, decode_tokens: int, peer: bool,
+            load_avgs: dict[str, float | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both engines' long-context rows on the GGUF `source` (a copy with a longer context where
+    needed), each in its own process: (what ran, {"tokenmill": ..., "llama.cpp": ...}). From `args`:
+    every engine flag, threads, repeats, seed, timeout. Used by this command and `bench compare
+    --long-contexts`."""
     from tokenmill.config import engine_args
-    from tokenmill.hub import model_path
     from tokenmill.tokenizer import load_tokenizer
 
-    for name in ("threads", "repeats", "decode_tokens"):
-        if getattr(args, name) < 1:
-            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if any(n < 16 for n in args.contexts):
-        raise TokenmillError(f"--contexts: each must be >= 16 tokens, got {args.contexts}")
-    source = model_path(args.model_path or args.model)
-    if not source.endswith(".gguf"):
-        raise TokenmillError(f"--model: bench longctx needs a .gguf file (llama.cpp runs it too), got {source!r}")
-    contexts = sorted(set(args.contexts))
-    n_ctx = context_for(contexts[-1] + args.decode_tokens + 1)
+    n_ctx = context_for(contexts[-1] + decode_tokens + 1)
     model = long_context_copy(source, n_ctx)
     tokenizer = load_tokenizer(model)
     work = {"long_prompts": {str(n): make_prompts(tokenizer, [n] * args.repeats, args.seed, tag=f"Long {n}")
                              for n in contexts},
             "warmup_prompts": make_prompts(tokenizer, [min(512, contexts[0])], args.seed, tag="Warm-up"),
-            "decode_tokens": args.decode_tokens, "threads": args.threads, "n_ctx": n_ctx}
+            "decode_tokens": decode_tokens, "threads": args.threads, "n_ctx": n_ctx}
     tm_args = {**engine_args(args), "threads": args.threads, "max_model_len": n_ctx,
                "max_num_seqs": max(args.max_num_seqs, 1)}
     if tm_args.get("num_kv_blocks") is None and tm_args.get("kv_cache_memory") is None:
         tm_args["num_kv_blocks"] = n_ctx // args.block_size + 1
-    out_path = Path(args.output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     results: dict[str, Any] = {}
-    load_avgs: dict[str, float | None] = {}
-
-    print_load("tokenmill")
-    load_avgs["tokenmill"] = load_average()
+    print_load("tokenmill, long context")
+    load_avgs["tokenmill long context"] = load_average()
     results["tokenmill"] = run_spawned(tokenmill_long, {**work, "model": model, "engine_args": tm_args})
     kv_type = KV_TYPES.get(results["tokenmill"]["kv_dtype"])
     status = peers.llama_cpp_python_status()
-    if args.no_peer:
-        results["llama.cpp"] = {"missing": "--no-peer"}
+    if not peer:
+        results["llama.cpp"] = {"missing": "not asked for"}
     elif not status.available:
         print(f"{status.name}: {status.detail}", flush=True)
         results["llama.cpp"] = {"missing": status.detail}
     elif kv_type is None:
         results["llama.cpp"] = {"missing": f"no llama.cpp cache type of {results['tokenmill']['kv_dtype']}'s size"}
     else:
-        print_load(f"llama.cpp (flash attention, {kv_type} K/V)")
-        load_avgs["llama.cpp"] = load_average()
+        print_load(f"llama.cpp, long context (flash attention, {kv_type} K/V)")
+        load_avgs["llama.cpp long context"] = load_average()
         results["llama.cpp"] = peers.guarded("llama.cpp long context", run_bare, batch1.llama_cpp_long,
                                              {**work, "model": model, "flash_attn": True, "kv_type": kv_type},
                                              args.timeout)
-    cfg = {"model": source, "run_model": model, "contexts": contexts, "decode_tokens": args.decode_tokens,
-           "repeats": args.repeats, "threads": args.threads, "n_ctx": n_ctx, "cpu_count": os.cpu_count(),
-           "engine_args": tm_args, "wall_s": time.perf_counter() - started}
+    ran = {"run_model": model, "contexts": contexts, "decode_tokens": decode_tokens, "repeats": args.repeats,
+           "n_ctx": n_ctx, "engine_args": tm_args}
+    return ran, results
+
+
+def run_longctx_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.hub import model_path
+
+    for name in ("threads", "repeats", "decode_tokens"):
+        if getattr(args, name) < 1:
+            raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    contexts = check_contexts(args.contexts)
+    source = model_path(args.model_path or args.model)
+    if not source.endswith(".gguf"):
+        raise TokenmillError(f"--model: bench longctx needs a .gguf file (llama.cpp runs it too), got {source!r}")
+    out_path = Path(args.output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load_avgs: dict[str, float | None] = {}
+    ran, results = measure(source, contexts, args, args.decode_tokens, not args.no_peer, load_avgs)
+    cfg = {"model": source, **ran, "threads": args.threads, "cpu_count": os.cpu_count(),
+           "wall_s": time.perf_counter() - started}
     table = build_table(contexts, results)
     report = {"config": cfg, "load_average_before": load_avgs, "table": table, "results": results}
     print_table(report)

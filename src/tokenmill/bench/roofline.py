@@ -140,7 +140,44 @@ def bound(name: str, tokens: int, nbytes: int, flops: int, machine: Machine, mea
                tokens / max(t_mem, t_flop), measured_tok_s)
 
 
-def _measure_decode(llm, batch: int, context: int, steps: int) -> float:
+@dataclass
+class StepCost:
+    """What a step's bound needs: this machine's rates, and the engine's bytes and FLOPs per step."""
+    machine: Machine
+    weight_bytes: int       # every weight a step reads
+    kv_bytes_per_token: int
+    flops_per_row: int      # the projections' and the LM head's
+    model_config: ModelConfig
+
+    @classmethod
+    def of(cls, engine: Any) -> StepCost:
+        """The engine's costs, and the machine measured for the matmul its weights run on: torch's
+        in the compute dtype, or the quantized kernel of the form most layers hold."""
+        from tokenmill.engine.kv_cache import kv_bytes_per_token
+        from tokenmill.models.loader import weight_forms
+
+        cfg = engine.model_config
+        forms = weight_forms(engine.model)
+        most = max(forms, key=forms.__getitem__)   # "dense", "int4" or "int8"
+        machine = measure_machine(engine.dtype, None if most == "dense" else int(most.removeprefix("int")))
+        return cls(machine, weight_bytes_per_step(engine.model, cfg.vocab_size),
+                   kv_bytes_per_token(cfg, engine.kv_dtype), matmul_flops_per_row(cfg), cfg)
+
+    def decode(self, batch: int, context: int, measured_tok_s: float) -> Row:
+        """A decode step of `batch` requests of `context` cached tokens."""
+        return bound(f"decode batch {batch}, context {context}", batch,
+                     self.weight_bytes + batch * (context + 1) * self.kv_bytes_per_token,
+                     batch * self.flops_per_row + attention_flops(self.model_config, batch, context + 1), self.machine,
+                     measured_tok_s)
+
+    def prefill(self, n: int, measured_tok_s: float) -> Row:
+        """One prompt of n tokens."""
+        return bound(f"prefill {n} tokens", n, self.weight_bytes + n * self.kv_bytes_per_token,
+                     n * self.flops_per_row + attention_flops(self.model_config, n, (n + 1) // 2), self.machine,
+                     measured_tok_s)
+
+
+def measure_decode(llm, batch: int, context: int, steps: int) -> float:
     """Tokens/s of decode steps of `batch` requests whose context is about `context` tokens."""
     from tokenmill import SamplingParams
 
@@ -165,9 +202,7 @@ def _measure_decode(llm, batch: int, context: int, steps: int) -> float:
 def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill import LLM
     from tokenmill.config import engine_args
-    from tokenmill.engine.kv_cache import kv_bytes_per_token
     from tokenmill.errors import TokenmillError
-    from tokenmill.models.loader import weight_forms
 
     if any(b < 1 for b in args.batch_size) or min(args.context, args.prefill_len, args.steps, args.repeats) < 1:
         raise TokenmillError("--batch-size, --context, --prefill-len, --steps and --repeats must be >= 1")
@@ -177,25 +212,17 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.engine
     if engine.device.type != "cpu":
         raise TokenmillError("bench roofline measures this CPU; run it with --device cpu")
-    cfg, dtype = engine.model_config, engine.dtype
-    forms = weight_forms(engine.model)
-    most = max(forms, key=forms.__getitem__)   # the form most layers hold: "dense", "int4" or "int8"
-    machine = measure_machine(dtype, None if most == "dense" else int(most.removeprefix("int")))
-    weights = weight_bytes_per_step(engine.model, cfg.vocab_size)
-    kv_token = kv_bytes_per_token(cfg, engine.kv_dtype)
-    per_row = matmul_flops_per_row(cfg)
+    dtype = engine.dtype
+    cost = StepCost.of(engine)
+    machine, weights, kv_token = cost.machine, cost.weight_bytes, cost.kv_bytes_per_token
     work = {**batch1_prompts(llm.tokenizer, [args.prefill_len], args.context, args.repeats, seed=0),
             "decode_tokens": args.steps + 1}   # steps decode steps after the first token
     at_batch1 = batch1.measure(stream_gen(llm), work)
     rows = []
     for batch in args.batch_size:
-        measured = at_batch1["decode_tok_s"] if batch == 1 else _measure_decode(llm, batch, args.context, args.steps)
-        nbytes = weights + batch * (args.context + 1) * kv_token
-        flops = batch * per_row + attention_flops(cfg, batch, args.context + 1)
-        rows.append(bound(f"decode batch {batch}, context {args.context}", batch, nbytes, flops, machine, measured))
-    n = args.prefill_len
-    rows.append(bound(f"prefill {n} tokens", n, weights + n * kv_token, n * per_row +
-                      attention_flops(cfg, n, (n + 1) // 2), machine, at_batch1[f"prefill_{n}_tok_s"]))
+        measured = at_batch1["decode_tok_s"] if batch == 1 else measure_decode(llm, batch, args.context, args.steps)
+        rows.append(cost.decode(batch, args.context, measured))
+    rows.append(cost.prefill(args.prefill_len, at_batch1[f"prefill_{args.prefill_len}_tok_s"]))
 
     print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "
           f"weights read per step: {weights / 2**20:.1f} MiB  KV ({str(engine.kv_dtype).removeprefix('torch.')}): "

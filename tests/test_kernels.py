@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_helpers import greedy, make_engine, prefill_logits
 
 from tokenmill import LLM, SamplingParams, config, kernels
@@ -683,3 +684,39 @@ def test_portable_build_without_avx512(monkeypatch):
     assert torch.equal(portable[0], native[0])
     torch.testing.assert_close(portable[1], native[1], atol=2e-6, rtol=1e-5)
     assert torch.equal(portable[2], native[2])
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 17, 576), (3, 5, 1536), (4, 64, 64), (8, 7, 96),
+                                           (2, 3, 80)])   # k = 80: not a multiple of 32, portable loops
+def test_bf16_matmul_equals_the_exact_product(generic, m, n, k):
+    """The dense bf16 kernel: products of fp32 activations and bf16 weights summed in fp32 == the
+    float64 product (AVX-512 blocks of 4 x 4 with partial ones, and the portable loops)."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16)
+    got = kernels.bf16_matmul(x, w, generic=generic)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_linear_decode_rows_take_the_kernel(monkeypatch):
+    """A bf16 Linear (and a tied LM head) runs bf16_matmul for a decode step's few rows and PyTorch's
+    matmul for a prefill chunk; both == F.linear to bf16 rounding; backend "torch" never takes it."""
+    from tokenmill.layers.linear import Embedding, Linear
+
+    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
+    head = Embedding(100, 64).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for p in (*layer.parameters(), *head.parameters()):
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    calls = []
+    real = kernels.bf16_matmul
+    monkeypatch.setattr(kernels, "bf16_matmul", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    for rows in (1, 8, 9, 40):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(head.logits(x), F.linear(x, head.weight).float(), atol=0.05, rtol=0.02)
+    assert calls == [(1, 64), (1, 64), (8, 64), (8, 64)]
+    set_backend(layer, "torch")
+    layer(torch.randn(1, 64).to(torch.bfloat16))
+    assert len(calls) == 4

@@ -280,7 +280,8 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.long_contexts:
         note_load("long context")
         cfg["long"], long_results = longctx.measure(model, args.long_contexts, args, args.long_decode_tokens,
-                                                    "llama.cpp" in args.peers, load_avgs)
+                                                    "llama.cpp" in args.peers, load_avgs,
+                                                    max(args.timeout, longctx.DEFAULT_TIMEOUT_S))
         for engine, row in long_results.items():
             results[engine]["long"] = row
 

@@ -34,6 +34,7 @@ from tokenmill.errors import TokenmillError
 DEFAULT_CONTEXTS = [2048, 8192, 16384]
 DEFAULT_DECODE_TOKENS = 32
 DEFAULT_REPEATS = 2
+DEFAULT_TIMEOUT_S = 3600.0   # each engine's whole run
 KV_TYPES = {"bfloat16": "f16", "int8": "q8_0"}   # tokenmill's cache dtype -> llama.cpp's of the same size
 # The issue's targets: (what, context or None for every context, minimum).
 TARGETS = [("prefill ratio", 8192, 4.0), ("decode ratio", None, 3.0), ("decode roofline fraction", None, 0.85)]
@@ -47,7 +48,7 @@ def add_longctx_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="fresh prompts per context length")
     b.add_argument("--no-peer", action="store_true", help="tokenmill only")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--timeout", type=float, default=3600.0, help="seconds for each engine's whole run")
+    b.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for each engine's whole run")
     b.add_argument("--output", default="bench-results/longctx.json")
 
 
@@ -108,11 +109,11 @@ def check_contexts(contexts: list[int]) -> list[int]:
 
 
 def measure(source: str, contexts: list[int], args: argparse.Namespace, decode_tokens: int, peer: bool,
-            load_avgs: dict[str, float | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+            load_avgs: dict[str, float | None], timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """Both engines' long-context rows on the GGUF `source` (a copy with a longer context where
     needed), each in its own process: (what ran, {"tokenmill": ..., "llama.cpp": ...}). From `args`:
-    every engine flag, threads, repeats, seed, timeout. Used by this command and `bench compare
-    --long-contexts`."""
+    every engine flag, threads, repeats, seed; `timeout`: seconds for each engine's whole run (llama.cpp
+    takes minutes per 16k-token prompt). Used by this command and `bench compare --long-contexts`."""
     from tokenmill.config import engine_args
     from tokenmill.tokenizer import load_tokenizer
 
@@ -145,7 +146,7 @@ def measure(source: str, contexts: list[int], args: argparse.Namespace, decode_t
         load_avgs["llama.cpp long context"] = load_average()
         results["llama.cpp"] = peers.guarded("llama.cpp long context", run_bare, batch1.llama_cpp_long,
                                              {**work, "model": model, "flash_attn": True, "kv_type": kv_type},
-                                             args.timeout)
+                                             timeout)
     ran = {"run_model": model, "contexts": contexts, "decode_tokens": decode_tokens, "repeats": args.repeats,
            "n_ctx": n_ctx, "engine_args": tm_args}
     return ran, results
@@ -165,7 +166,7 @@ def run_longctx_bench(args: argparse.Namespace) -> dict[str, Any]:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     load_avgs: dict[str, float | None] = {}
-    ran, results = measure(source, contexts, args, args.decode_tokens, not args.no_peer, load_avgs)
+    ran, results = measure(source, contexts, args, args.decode_tokens, not args.no_peer, load_avgs, args.timeout)
     cfg = {"model": source, **ran, "threads": args.threads, "cpu_count": os.cpu_count(),
            "wall_s": time.perf_counter() - started}
     table = build_table(contexts, results)

@@ -5,6 +5,8 @@
 - paged_prefill.c: causal attention of a prefill chunk over the paged KV cache (AVX-512 builds).
 - quant_matmul.c: x W^T for weights in 4/8-bit groups of 32 with int8 activations (VNNI), and
   row dequantization of the same layout (layers/quant.py packs the weights).
+- dense_matmul.c: x W^T for a dense bfloat16 weight and a few activation rows (a bf16 model's decode
+  steps), at the rate the weight's bytes allow.
 - kernels.c: decode_stack, a decoder stack's decode step as one call, run from per-layer plan
   structs declared in kernels.h (mirrored here with ctypes).
 - norm.c: rms_norm, the RMSNorm of norm.h that every kernel above uses too (layers/norm.py runs it).
@@ -121,6 +123,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = i32
+    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]
+    lib.bf16_matmul.restype = i32
     lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
     lib.decode_stack.restype = i32
     lib.plan_struct_size.argtypes = [i32]
@@ -280,6 +284,31 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, of
                            torch.get_num_threads()):
         raise MemoryError("quantized matmul: out of memory for the activation buffer")
     return y
+
+
+# Activation rows up to which a bf16 weight's product runs bf16_matmul: past a few rows PyTorch's
+# matmul (oneDNN, bf16 dot products) is faster, and the weight's bytes no longer bound the product.
+DENSE_MATMUL_MAX_ROWS = 8
+
+
+def uses_bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does x @ weight^T run bf16_matmul: a bf16 CPU weight, at most DENSE_MATMUL_MAX_ROWS rows of
+    x, the kernels built?"""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and x.numel() // max(x.shape[-1], 1) <= DENSE_MATMUL_MAX_ROWS and load() is not None)
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """fp32 [..., N] = x [..., K] @ weight^T for a bf16 weight [N, K] (dense_matmul.c: the products
+    exact in fp32, summed in fp32). `generic` runs the portable C loops (the tests' reference)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k).float().contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(rows.shape[0], n)
+    if load().bf16_matmul(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, y.data_ptr(), int(generic),
+                          torch.get_num_threads()):
+        raise MemoryError("bf16 matmul: out of memory for the activation buffer")
+    return y.view(*x.shape[:-1], n)
 
 
 def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, in_features: int, bits: int,

@@ -4,6 +4,7 @@
  *   paged_decode.c   paged_decode_*, paged_decode_rotary_*
  *   paged_prefill.c  paged_prefill_*
  *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
+ *   dense_matmul.c   bf16_matmul
  *   kernels.c        decode_stack, plan_struct_size
  *   norm.c           rms_norm
  * Their shared inline helpers live in simd.h (vector math, fixed-order sums), norm.h (RMSNorm) and
@@ -84,6 +85,11 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                  const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads);
 int quant_matmul_has_simd(void);
+
+/* y [m, n] fp32 = x [m, k] fp32 @ W^T for a dense bfloat16 W [n, k] (dense_matmul.c), for a few rows;
+ * generic: force the portable C loops. Returns 1 if out of memory. */
+int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y, int generic,
+                int num_threads);
 void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
                 const int64_t *ids, int64_t count, float *out);
 

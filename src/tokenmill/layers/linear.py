@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.layers.activation import GATED_ACTIVATIONS
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.op import KernelOp
@@ -39,10 +40,19 @@ class _Weighted(KernelOp):
         PyTorch reference (backend "torch")."""
         return self.qweight if self.backend == "auto" else None
 
+    def dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b) for a dense weight, in x's dtype: a bf16 CPU weight's few-row products (decode
+        steps) run the C kernel on backend "auto" (kernels.bf16_matmul: PyTorch's are far slower
+        there), everything else `F.linear`."""
+        if self.backend == "auto" and kernels.uses_bf16_matmul(x, weight):
+            y = kernels.bf16_matmul(x, weight)
+            return (y if bias is None else y + bias).to(x.dtype)
+        return F.linear(x, weight, bias)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 hidden @ W^T for an LM head (no bias): an Embedding's for a tied head."""
         if self.qweight is None:
-            return F.linear(hidden, self.weight).float()
+            return self.dense(hidden, self.weight).float()
         if self.backend == "torch":
             return hidden.float() @ self.qweight.dequantize().t()
         return self.qweight.matmul(hidden)
@@ -79,7 +89,7 @@ class Linear(_Weighted):
         if norm is not None:
             x = norm(x)
         weight = self.weight if self.qweight is None else self.qweight.dequantize(x.dtype)
-        y = F.linear(x, weight, self.bias)
+        y = self.dense(x, weight, self.bias)
         return y if residual is None else residual + y
 
 

@@ -1,0 +1,106 @@
+/* y = x W^T for a dense bfloat16 weight and a few float32 activation rows (decode steps of a bf16
+ * model, its LM head): PyTorch's bf16 matmul does these skinny products far below the memory's
+ * rate, while each weight is read once and used by at most a few rows, so the product is bound by
+ * the weight's bytes.
+ *
+ * x [m, k] fp32, w [n, k] bf16 (row-major), y [m, n] fp32: y[i][j] = sum_c x[i][c] w[j][c], the
+ * products exact in fp32 (a bf16 value is an fp32 value) and summed in fp32.
+ *
+ * AVX-512 (k a multiple of 32): each 32 weights of a row come from one 64-byte load as two vectors,
+ * their even and odd elements (a shift and a mask: attention.h's row order), so the activation rows
+ * are permuted to that order once per call; 4 weight rows x up to 4 activation rows are 16
+ * independent FMA chains. Output rows are split across threads. Portable C loops elsewhere (and as
+ * the tests' reference). */
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#define NB 4   /* weight rows per block */
+#define MB 4   /* activation rows per block */
+
+static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                          int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > (1 << 18))
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < m; i++) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < k; c++) {
+                union { uint32_t u; float f; } v = {(uint32_t)w[j * k + c] << 16};
+                acc += x[i * k + c] * v.f;
+            }
+            y[i * n + j] = acc;
+        }
+}
+
+#ifdef HAVE_AVX512
+/* Rows [i0, i0 + MR) of x (permuted: xp) against weight rows [j0, j0 + NR) (MR, NR constant at the
+ * call site, so the 16 accumulators stay in registers). */
+static ALWAYS_INLINE void dense_block(const int MR, const int NR, const float *xp, int64_t k, const uint16_t *w,
+                                      int64_t n, float *y, int64_t i0, int64_t j0) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[MB][NB];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 32) {
+        __m512 even[NB], odd[NB];
+        for (int j = 0; j < NR; j++) {
+            const __m512i v = _mm512_loadu_si512(w + (j0 + j) * k + c);
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512 xe = _mm512_loadu_ps(xp + (i0 + i) * k + c), xo = _mm512_loadu_ps(xp + (i0 + i) * k + c + 16);
+            for (int j = 0; j < NR; j++)
+                acc[i][j] = _mm512_fmadd_ps(xo, odd[j], _mm512_fmadd_ps(xe, even[j], acc[i][j]));
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) y[(i0 + i) * n + j0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static ALWAYS_INLINE void dense_rows(const int MR, const float *xp, int64_t k, const uint16_t *w, int64_t n, float *y,
+                                     int64_t i0, int64_t j0) {
+    switch (n - j0 < NB ? n - j0 : NB) {
+        case 1: dense_block(MR, 1, xp, k, w, n, y, i0, j0); break;
+        case 2: dense_block(MR, 2, xp, k, w, n, y, i0, j0); break;
+        case 3: dense_block(MR, 3, xp, k, w, n, y, i0, j0); break;
+        default: dense_block(MR, NB, xp, k, w, n, y, i0, j0); break;
+    }
+}
+
+static int dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                        int num_threads) {
+    float *xp = aligned_alloc(64, sizeof(float) * (size_t)(m * k));   /* x in the weights' even/odd order */
+    if (xp == NULL) return 1;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t c = 0; c < k; c += 32)
+            for (int64_t e = 0; e < 16; e++) {
+                xp[i * k + c + e] = x[i * k + c + 2 * e];
+                xp[i * k + c + 16 + e] = x[i * k + c + 2 * e + 1];
+            }
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > (1 << 18))
+    for (int64_t jb = 0; jb < (n + NB - 1) / NB; jb++)
+        for (int64_t i0 = 0; i0 < m; i0 += MB) {
+            switch (m - i0 < MB ? m - i0 : MB) {
+                case 1: dense_rows(1, xp, k, w, n, y, i0, jb * NB); break;
+                case 2: dense_rows(2, xp, k, w, n, y, i0, jb * NB); break;
+                case 3: dense_rows(3, xp, k, w, n, y, i0, jb * NB); break;
+                default: dense_rows(MB, xp, k, w, n, y, i0, jb * NB); break;
+            }
+        }
+    free(xp);
+    return 0;
+}
+#endif
+
+int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y, int generic,
+                int num_threads) {
+#ifdef HAVE_AVX512
+    if (!generic && k % 32 == 0) return dense_avx512(x, m, k, w, n, y, num_threads);
+#else
+    (void)generic;
+#endif
+    dense_generic(x, m, k, w, n, y, num_threads);
+    return 0;
+}

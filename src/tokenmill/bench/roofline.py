@@ -177,26 +177,37 @@ class StepCost:
                      measured_tok_s)
 
 
+def decode_tokens_per_request(batch: int, context: int, steps: int, max_num_batched_tokens: int) -> int:
+    """measure_decode's max_tokens: the timed steps, the warm-up, and the tokens the first requests
+    decode while the batch's last prompts are still being prefilled (a step takes at most
+    max_num_batched_tokens prompt tokens), so that none finishes before the timed steps end."""
+    return steps + 4 + -(-batch * context // max_num_batched_tokens)
+
+
 def measure_decode(llm, batch: int, context: int, steps: int) -> float:
-    """Tokens/s of decode steps of `batch` requests whose context is about `context` tokens."""
+    """Tokens/s of decode steps of `batch` requests whose context is about `context` tokens: the
+    tokens the steps generated (the engine's counter, not batch x steps: a pool or a max_num_seqs
+    too small for the batch runs fewer at once, and must not count as faster)."""
     from tokenmill import SamplingParams
 
     engine = llm.engine
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_tokens_per_request(batch, context, steps,
+                                                                 engine.config.max_num_batched_tokens),
+                            temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
     engine.step()   # the first all-decode step (warm-up)
-    start = time.perf_counter()
+    before, start = engine.num_generation_tokens, time.perf_counter()
     for _ in range(steps):
         engine.step()
-    elapsed = time.perf_counter() - start
+    elapsed, tokens = time.perf_counter() - start, engine.num_generation_tokens - before
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    return batch * steps / elapsed
+    return tokens / elapsed
 
 
 def run_roofline(args: argparse.Namespace) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def add_scaling_args(b: argparse.ArgumentParser) -> None:
 def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill import LLM
     from tokenmill.bench.longctx import long_context_copy
-    from tokenmill.bench.roofline import StepCost, measure_decode
+    from tokenmill.bench.roofline import StepCost, decode_tokens_per_request, measure_decode
     from tokenmill.config import engine_args
     from tokenmill.hub import model_path
 
@@ -51,13 +51,19 @@ def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
     if min(sizes) < 1:
         raise TokenmillError("--batch-sizes, --contexts, --context-batches, --context and --steps must be >= 1")
     source = model_path(args.model_path or args.model)
-    longest = max(args.context, *args.contexts) + args.steps + 8
+
+    def need(batch: int, context: int) -> int:   # tokens per request at a point
+        return context + decode_tokens_per_request(batch, context, args.steps, args.max_num_batched_tokens)
+
+    longest = max(need(b, c) for b, c in [(max(args.batch_sizes), args.context), *((max(args.context_batches), c)
+                                                                                 for c in args.contexts)])
     # past the trained length (a GGUF's copy that says longer): speed only
     model = long_context_copy(source, longest) if source.endswith(".gguf") else source
     # room for the largest point of either sweep at once
-    tokens = max(max(args.batch_sizes) * (args.context + args.steps + 8),
-                 max(args.context_batches) * (max(args.contexts) + args.steps + 8))
     flags = engine_args(args)
+
+    tokens = max(max(args.batch_sizes) * need(max(args.batch_sizes), args.context),
+                 max(args.context_batches) * need(max(args.context_batches), max(args.contexts)))
     llm = LLM(model, **{**flags, "max_model_len": longest,
                         "max_num_seqs": max(args.max_num_seqs, *args.batch_sizes, *args.context_batches),
                         "num_kv_blocks": flags.get("num_kv_blocks") or tokens // args.block_size + 1})

@@ -512,8 +512,10 @@ class EngineConfig:
     dtype: str = setting("auto", "auto (float32 for quantized weights on CPU, else bfloat16 where the hardware "
                          "has it, else float32) | float32 | bfloat16 | float16 (CUDA)")
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
-    threads: int | None = setting(None, "CPU threads for PyTorch and the C kernels (default: PyTorch's, one per "
-                                  "core)")
+    threads: int | None = setting(None, "CPU threads for PyTorch and the C kernels, per tensor-parallel rank "
+                                  "(default: PyTorch's, one per core, divided among the ranks)")
+    tensor_parallel_size: int = setting(1, "split the model over this many processes (Megatron tensor "
+                                        "parallelism over torch.distributed: gloo on CPU)", flags=("-tp",))
     max_model_len: int | None = setting(None, "context limit (default: the model's, capped by the KV pool)")
     block_size: int = setting(16, "tokens per KV-cache block")
     max_num_seqs: int = setting(64, "requests running at once")
@@ -547,7 +549,7 @@ class EngineConfig:
             if f.type == "bool" and not isinstance(value, bool) or \
                     f.type in ("str", "str | None") and not isinstance(value, str) and value is not None:
                 raise TokenmillError(f"{f.name} must be {f.type.replace(' | None', ' or None')}, got {value!r:.60}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_size("kv_cache_memory", self.kv_cache_memory)

@@ -24,3 +24,8 @@ class SamplingParamsError(TokenmillError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field} {message}")
         self.field = field
+
+
+class EngineDeadError(RuntimeError):
+    """Not bad input: the engine cannot go on (a tensor-parallel worker died or stopped answering).
+    Every request in flight fails with it and the engine takes no more; the server exits non-zero."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import parallel
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import (
     EngineConfig,
@@ -31,6 +32,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.snapshot import EngineSnapshot, StepRecord, scheduled_rows, step_record, take_snapshot
 from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, Speculator
+from tokenmill.engine.workers import KVPlan, TPWorkers
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
 from tokenmill.models.loader import load_model, runs_quantized
@@ -87,19 +89,42 @@ class LLMEngine:
         """`draft`: the engine of the draft model, for speculative_config's method draft_model (its
         scheduler is unused: the speculator runs its model on shadow requests)."""
         self.config = config
-        if config.threads is not None:
+        tp_size = config.tensor_parallel_size
+        threads = config.threads if config.threads is not None or tp_size == 1 else \
+            max(1, torch.get_num_threads() // tp_size)
+        if threads is not None:
             # PyTorch's intra-op threads; the C kernels share its OpenMP runtime, so their parallel
             # regions in this thread take the same count.
-            torch.set_num_threads(config.threads)
+            torch.set_num_threads(threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, runs_quantized(ckpt, config.quantization, self.device))
-        self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
-                                                   config.quantization, config.max_model_len, config.weight_cache)
+        self.workers: TPWorkers | None = None
+        if tp_size > 1:
+            if self.device.type != "cpu":
+                raise TokenmillError(f"tensor_parallel_size {tp_size}: tensor parallelism runs on CPU (gloo) only "
+                                     f"so far, not on {self.device}")
+            self.workers = TPWorkers(ckpt.path, config, self.dtype, self.device, tp_size, threads)
+        try:
+            self._build(ckpt, config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.speculator = self._speculator(config.speculative_config, draft)
+
+    def _build(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig) -> None:
+        """The model (this process's rank of it), the KV pool (and the workers' slices of it), the
+        runner and the scheduler."""
+        tp = parallel.SINGLE if self.workers is None else self.workers.tp
+        self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
+                                                   config.quantization, config.max_model_len, config.weight_cache, tp)
         mc: ModelConfig = self.model_config
         quantized = any(isinstance(m, QuantWeight) for m in self.model.modules())
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, quantized)
-        per_token = kv_bytes_per_token(mc, self.kv_dtype)
+        # Every rank holds the same blocks, of its own KV heads: the budget is for all of them.
+        kv_heads = parallel.kv_heads_per_rank(mc.num_heads, mc.num_kv_heads, tp.size)
+        per_token = kv_bytes_per_token(mc, self.kv_dtype) * sum(kv_heads) // mc.num_kv_heads
         block_bytes = per_token * config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -117,13 +142,13 @@ class LLMEngine:
         slides = mc.sliding_window is not None and all(mc.layer_slides(i) for i in range(mc.num_layers))
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
                                  mc.sliding_window if slides else None)
-        self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.kv_dtype, self.device)
+        self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.kv_dtype, self.device, kv_heads[0])
+        if self.workers is not None:
+            self.workers.ready(KVPlan(num_blocks, config.block_size, self.kv_dtype))
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device,
-                                  config.attention_backend)
+                                  config.attention_backend, self.workers)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.requests: dict[str, Request] = {}
-        self.speculator = self._speculator(config.speculative_config, draft)
         # Compiles structured-output constraints. Set by load_engine: it needs the tokenizer, which
         # the engine (token ids in, token ids out) does not have otherwise.
         self.grammars: GrammarCompiler | None = None
@@ -138,10 +163,17 @@ class LLMEngine:
         self.finished_log: deque[tuple[str, str]] = deque(maxlen=FINISHED_LOG_SIZE)
         self.num_finished = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("memory plan: weights %.1f MiB (%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
+        logger.info("memory plan%s: weights %.1f MiB (%s%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
                     "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
-                    weight_bytes / 2**20, self.dtype, self.kv_dtype, per_token, num_blocks, config.block_size, capacity,
-                    num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
+                    f" ({tp.size} tensor-parallel ranks)" if tp.size > 1 else "", weight_bytes / 2**20, self.dtype,
+                    ", rank 0's part" if tp.size > 1 else "", self.kv_dtype, per_token, num_blocks, config.block_size,
+                    capacity, num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or the
+        process exits; calling it twice is harmless)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def _speculator(self, config: SpeculativeConfig | None, draft: LLMEngine | None) -> Speculator | None:
         if config is None:
@@ -215,6 +247,8 @@ class LLMEngine:
         failed: list[Request] = []
         try:
             results = self.runner.execute(scheduled)
+        except parallel.ParallelError:
+            raise   # the ranks no longer run the same steps: no request can go on (see engine/workers.py)
         except Exception:
             logger.exception("an engine step of %d requests failed; running each request alone", len(scheduled))
             for generator, state in generator_states:
@@ -223,6 +257,8 @@ class LLMEngine:
             for request, n in scheduled:
                 try:
                     results.extend(self.runner.execute([(request, n)]))
+                except parallel.ParallelError:
+                    raise
                 except Exception as e:
                     failed.append(request)
                     self._fail(request, e)

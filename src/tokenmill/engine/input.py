@@ -181,7 +181,7 @@ def _draft_engine(spec: SpeculativeConfig, config: EngineConfig, tokenizer: Toke
     prefix caching: a shadow's blocks are its own) KV pool; refused unless its tokenizer is the
     target's."""
     draft_config = dataclasses.replace(config, model=spec.model, tokenizer=None, chat_template=None,
-                                       quantization=spec.quantization, speculative_config=None,
+                                       quantization=spec.quantization, speculative_config=None, tensor_parallel_size=1,
                                        enable_prefix_caching=False)
     ckpt, draft_tokenizer, _, _ = _open_model(spec.model, draft_config)
     difference = tokenizer.vocabulary_difference(draft_tokenizer)

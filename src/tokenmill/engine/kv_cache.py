@@ -27,13 +27,14 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+                       device: torch.device, num_kv_heads: int | None = None) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer. On the CPU each is
     an anonymous memory mapping: the OS hands its pages out zeroed when first written, so the pool
     costs resident memory only for the blocks requests have used (a one-shot generation touches a
     few blocks of a pool sized for a server). Zeroed matters: the reference attention reads the
-    unwritten tail of a request's last block (masked, but 0 x NaN would still be NaN)."""
-    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    unwritten tail of a request's last block (masked, but 0 x NaN would still be NaN).
+    `num_kv_heads`: a tensor-parallel rank's (default: the model's)."""
+    shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     return [lazy_zeros(shape, dtype) for _ in range(cfg.num_layers)]

@@ -8,13 +8,18 @@ and `logits_rows`, the last row of every request whose computed tokens reach its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenmill.engine.request import Request
 from tokenmill.layers.attention import AttentionMetadata, bind_kv_caches
+from tokenmill.parallel import ParallelError
 from tokenmill.sampling import Sampler, SamplingBatch
+
+if TYPE_CHECKING:   # (a worker process runs a ModelRunner: workers.py imports this module)
+    from tokenmill.engine.workers import TPWorkers
 
 
 @dataclass
@@ -26,8 +31,11 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 vocab_size: int, device: torch.device, attention_backend: str = "auto"):
+                 vocab_size: int, device: torch.device, attention_backend: str = "auto",
+                 workers: TPWorkers | None = None):
+        """`workers`: the tensor-parallel ranks that run each step with this one (engine/workers.py)."""
         self.model = model
+        self.workers = workers
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -80,12 +88,26 @@ class ModelRunner:
 
     def logits(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, list[Request]]:
         """Run the model on one step's batch: the logits of the rows that need them ([rows, V], in
-        request order, 1 + len(spec_token_ids) rows each) and the requests they belong to."""
+        request order, 1 + len(spec_token_ids) rows each) and the requests they belong to. Under
+        tensor parallelism the batch goes to the workers first, which run it with this process."""
         input_ids, positions, meta, logits_rows, sampled = self.prepare(scheduled)
+        if self.workers is None:
+            return self.run(input_ids, positions, meta, logits_rows), sampled
+        try:
+            self.workers.step((input_ids, positions, meta, logits_rows))
+            return self.run(input_ids, positions, meta, logits_rows), sampled
+        except ParallelError as e:
+            raise self.workers.explain(e) from e
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_rows: list[int]) -> torch.Tensor | None:
+        """The forward pass of a packed batch: the logits of `logits_rows` (None if there are none, or
+        on a tensor-parallel worker, whose LM head part is gathered on rank 0)."""
         hidden = self.model(input_ids, positions, meta)
-        if not sampled:
-            return None, []
-        return self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)]), sampled
+        if not logits_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, list[SampledToken]]]:

@@ -72,7 +72,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer] | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, vocab_parallel=True)
         self.layers = nn.ModuleList(layers if layers is not None else
                                     [DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_float32_weight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import kernels, parallel
 from tokenmill.layers.activation import GATED_ACTIVATIONS
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
@@ -13,15 +13,17 @@ from tokenmill.layers.norm import RMSNorm
 
 class GatedMLP(nn.Module):
     """`gate_up_proj` holds the gate and up projections as two shards (checkpoint names gate_proj
-    and up_proj); `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    and up_proj); `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU). Under tensor parallelism
+    each rank holds a slice of the intermediate dimension: gate/up column-, down row-parallel."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(GATED_ACTIVATIONS)}")
         self.activation = activation
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        kept = parallel.mlp_slice(intermediate_size, parallel.current())
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], rows=[[kept], [kept]])
+        self.down_proj = Linear(intermediate_size, hidden_size, cols=kept)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

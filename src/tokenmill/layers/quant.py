@@ -48,6 +48,10 @@ class BlockQuant:
         # stay exact); K-quant sub-block products d * sc round with a relative error <= 2^-11.
         self.d, self.m = _f16(self.d), _f16(self.m)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.u.shape)
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.u.shape
         return (self.u.float().view(n, -1, GROUP_SIZE) * self.d[..., None] + self.m[..., None]).view(n, k)

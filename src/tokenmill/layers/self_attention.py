@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import kernels, parallel
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
@@ -16,17 +16,22 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class RotaryAttention(nn.Module):
-    """`qkv_proj` holds q, k and v as three shards (checkpoint names q_proj, k_proj, v_proj)."""
+    """`qkv_proj` holds q, k and v as three shards (checkpoint names q_proj, k_proj, v_proj). Under
+    tensor parallelism the module holds its rank's heads (parallel.head_slice): q/k/v column-parallel,
+    o_proj row-parallel."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = False,
                  qk_norm_eps: float | None = None, norm_float32_weight: bool = False, scale: float | None = None,
                  sliding_window: int | None = None,
                  logit_softcap: float | None = None):
         super().__init__()
+        heads = parallel.head_slice(num_heads, num_kv_heads, parallel.current())
+        q_rows, kv_rows = parallel.scaled(heads.q, head_dim), parallel.scaled(heads.kv, head_dim)
+        self.qkv_proj = Linear(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                               bias=bias, rows=[[q_rows], [kv_rows], [kv_rows]])
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, cols=q_rows)
+        num_heads, num_kv_heads = len(heads.q), len(heads.kv)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden_size, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = Linear(q_size, hidden_size)
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, norm_float32_weight)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps, norm_float32_weight)
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5 if scale is None else scale,

@@ -62,7 +62,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.build(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                   vocab_parallel=True)
         # Rotary buffers and, for tied models, a redundant saved LM head carry nothing to load.
         self.ignored_tensors = [r".*rotary_emb\.inv_freq"] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
         self._renames = [(re.compile(p), r) for p, r in self.HF_RENAMES]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import parallel
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.config import ConfigFields, ModelConfig
 from tokenmill.errors import UnsupportedModelError
@@ -48,13 +49,17 @@ class LayerNorm(nn.Module):
 
 
 class GPT2Attention(nn.Module):
+    """Under tensor parallelism: this rank's heads, taken from each third ([q | k | v]) of c_attn."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        size = cfg.num_heads * cfg.head_dim
-        self.c_attn = Linear(cfg.hidden_size, 3 * size, bias=True)
-        self.c_proj = Linear(size, cfg.hidden_size, bias=True)
-        self.attn = Attention(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        heads = parallel.head_slice(cfg.num_heads, cfg.num_heads, parallel.current()).q
+        self.num_heads, self.head_dim = len(heads), cfg.head_dim
+        size, kept = cfg.num_heads * cfg.head_dim, parallel.scaled(heads, cfg.head_dim)
+        self.c_attn = Linear(cfg.hidden_size, 3 * size, bias=True,
+                             rows=[[range(i * size + kept.start, i * size + kept.stop) for i in range(3)]])
+        self.c_proj = Linear(size, cfg.hidden_size, bias=True, cols=kept)
+        self.attn = Attention(self.num_heads, self.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
@@ -64,8 +69,9 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        kept = parallel.mlp_slice(cfg.intermediate_size, parallel.current())
+        self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True, rows=[[kept]])
+        self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True, cols=kept)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -87,7 +93,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.wte = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = Embedding(cfg.vocab_size, cfg.hidden_size, vocab_parallel=True)
         self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.norm_eps)
@@ -106,7 +112,8 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.transformer = GPT2Model(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                   vocab_parallel=True)
         # Old checkpoints save the causal-mask buffers; tied ones may also save the LM head.
         self.ignored_tensors = [r".*\.attn\.(bias|masked_bias)"] + (
             ["lm_head.weight"] if cfg.tie_word_embeddings else [])

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from tokenmill import parallel
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.checkpoint.gguf import FLOAT_TYPES
 from tokenmill.config import ConfigFields, ModelConfig
@@ -47,17 +48,19 @@ from tokenmill.models import get_model_class, weight_cache
 
 logger = logging.getLogger(__name__)
 
-Shard = torch.Tensor | GGUFBlocks
+Shard = torch.Tensor | GGUFBlocks | BlockQuant   # BlockQuant: a quantized matrix cut by tensor parallelism
 
 
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
                show_progress: bool = False, quantization: str | None = None,
-               max_model_len: int | None = None, use_weight_cache: bool = False) -> tuple[nn.Module, ModelConfig]:
+               max_model_len: int | None = None, use_weight_cache: bool = False,
+               tp: parallel.TensorParallel = parallel.SINGLE) -> tuple[nn.Module, ModelConfig]:
     """The model and its config. `max_model_len` below the checkpoint's context builds the model for
     that context: rotary tables of that length, and the rope choices that depend on it (longrope's
     factor set, dynamic NTK) made for it, as llama.cpp makes them for its context size.
     `use_weight_cache`: read quantized weights converted by an earlier load of the same checkpoint,
-    or keep them for the next one (models/weight_cache.py); CPU quantized loads only."""
+    or keep them for the next one (models/weight_cache.py); CPU quantized loads of one rank only.
+    `tp`: build and fill rank `tp.rank`'s part of the model (tokenmill/parallel.py)."""
     quantization = _check_quantization(quantization, device)
     architecture = ckpt.architecture
     if isinstance(ckpt, GGUFCheckpoint) and architecture == "llama" and ckpt.metadata.get("llama.expert_count"):
@@ -74,14 +77,14 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
+            with torch.device(device), parallel.building(tp):
                 return cls(config)
         finally:
             torch.set_default_dtype(previous)
 
     model = build()
     entry = None
-    if use_weight_cache and device.type == "cpu" and quantization != "none":
+    if use_weight_cache and device.type == "cpu" and quantization != "none" and tp.size == 1:
         entry = weight_cache.entry_path(ckpt.path, cls.__name__, quantization, dtype)
     cached = entry is not None and entry.exists()
     if cached and not weight_cache.load(model, entry, dtype):
@@ -134,6 +137,7 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, Shard]], tota
                     source: str, show_progress: bool, quantization: str = "none",
                     dtype: torch.dtype = torch.float32) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = {name: mod for name, mod in model.named_modules() if isinstance(mod, (Linear, Embedding))}
     shard_counts = {f"{name}.{leaf}": len(mod.shard_sizes)
                     for name, mod in model.named_modules() if isinstance(mod, Linear)
                     for leaf in ("weight", "bias") if getattr(mod, leaf) is not None}
@@ -159,6 +163,11 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, Shard]], tota
             target = f"{parent}.{fused}.{leaf}"
         else:
             target = name
+        owner = modules.get(target.rpartition(".")[0])
+        if owner is not None and (owner.rows is not None or owner.cols is not None):
+            tensor = _rank_part(owner, target.rpartition(".")[2], shard, tensor, quantization, f"{source}: {name}")
+            if tensor is None:   # a row-parallel layer's bias, held by rank 0
+                continue
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"{source}: tensor {name!r} does not match any parameter of "
@@ -180,7 +189,7 @@ def fill_parameters(model: nn.Module, tensors: Iterator[tuple[str, Shard]], tota
                 _set_weight(quantizable[target], param, [shards[i] for i in range(len(shards))],
                             quantization, dtype)
             continue
-        dest.copy_(tensor.dequantize() if isinstance(tensor, GGUFBlocks) else tensor)
+        dest.copy_(_dense(tensor))
     missing = [n for n in params if len(filled.get(n, ())) < shard_counts.get(n, 1)]
     if missing:
         raise CheckpointError(f"{source}: checkpoint has no values for {', '.join(sorted(missing)[:8])}"
@@ -195,13 +204,43 @@ def _set_weight(module: Linear | Embedding, param: nn.Parameter, shards: list[Sh
                 dtype: torch.dtype) -> None:
     weight = build_weight(shards, quantization, dtype)
     if weight is None:
-        param.data.copy_(torch.cat([s.dequantize() if isinstance(s, GGUFBlocks) else s for s in shards]))
+        param.data.copy_(torch.cat([_dense(s) for s in shards]))
     else:
         module.set_quantized(weight)
 
 
+def _dense(shard: Shard) -> torch.Tensor:
+    return shard if isinstance(shard, torch.Tensor) else shard.dequantize()
+
+
+def _rank_part(module: Linear | Embedding, leaf: str, shard: int, tensor: Shard, quantization: str,
+               what: str) -> Shard | None:
+    """The part of a checkpoint tensor that this tensor-parallel rank holds (layers/linear.py's
+    `rows` / `cols`); None where it holds none of it. A quantized matrix keeps its quantized form:
+    rows are whole blocks; columns are cut along whole groups of 32, after conversion to BlockQuant
+    (a K-quant's 256-value super-blocks do not always fall on the cut)."""
+    if module.rows is not None:
+        index = torch.cat([torch.arange(r.start, r.stop) for r in module.rows[shard]])
+        return tensor.take_rows(index) if isinstance(tensor, GGUFBlocks) else tensor[index]
+    cols = module.cols
+    if leaf == "bias":
+        return tensor if module.bias is not None else None
+    if isinstance(tensor, GGUFBlocks):
+        bits = _shard_bits(tensor, quantization)
+        tensor = tensor.dequantize() if quantization == "none" or module.keep_dense else _shard_blocks(tensor, bits)
+    if isinstance(tensor, torch.Tensor):
+        return tensor[:, cols.start:cols.stop]
+    if cols.start % GROUP_SIZE or cols.stop % GROUP_SIZE:
+        raise CheckpointError(f"{what}: tensor parallelism cuts its columns at {cols.start}-{cols.stop}, not along "
+                              f"its quantization groups of {GROUP_SIZE}")
+    groups = slice(cols.start // GROUP_SIZE, cols.stop // GROUP_SIZE)
+    return BlockQuant(tensor.u[:, cols.start:cols.stop], tensor.d[:, groups], tensor.m[:, groups], tensor.bits)
+
+
 def _shard_bits(shard: Shard, quantization: str) -> int | None:
     """Bits per value a shard would be held in (4 or 8), or None: dense."""
+    if isinstance(shard, BlockQuant):
+        return shard.bits
     if isinstance(shard, GGUFBlocks):
         return 4 if shard.qtype in FOUR_BIT_TYPES else 8
     if quantization in ("int8", "int4") and shard.shape[-1] % GROUP_SIZE == 0:
@@ -210,6 +249,8 @@ def _shard_bits(shard: Shard, quantization: str) -> int | None:
 
 
 def _shard_blocks(shard: Shard, bits: int) -> BlockQuant:
+    if isinstance(shard, BlockQuant):
+        return shard.widened(bits)
     if isinstance(shard, GGUFBlocks):
         q = gguf_to_blocks(shard)
         if q is None:  # no exact form (Q6_K, ...): 8 bits per group of 32

@@ -73,9 +73,11 @@ class ServerState:
     """What the routes share: the config, the engine once loaded, the metrics."""
 
     def __init__(self, config: ServerConfig, loaded: Loaded | None, on_ready: Callable[[], None] | None,
-                 on_load_error: Callable[[BaseException], None] | None):
+                 on_load_error: Callable[[BaseException], None] | None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
         self.loaded = loaded
+        self.owns_engine = loaded is None   # loaded here: shut down here (its tensor-parallel workers)
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.stopping = False
@@ -83,6 +85,7 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
         self._on_ready = on_ready
         self._on_load_error = on_load_error
+        self._on_fatal = on_fatal
 
     async def load(self) -> None:
         try:
@@ -91,7 +94,8 @@ class ServerState:
                 logger.info("loading %s ...", self.config.model)
                 self.loaded = await asyncio.get_running_loop().run_in_executor(
                     executor, functools.partial(load_engine, self.config.model, **self.config.engine_args))
-            engine = AsyncEngine(*self.loaded, self.config.max_queued_requests, self.metrics, executor)
+            engine = AsyncEngine(*self.loaded, self.config.max_queued_requests, self.metrics, executor,
+                                 on_fatal=self._on_fatal)
             engine.start()
             self.engine = engine
             logger.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
@@ -185,10 +189,11 @@ class InternalErrorMiddleware:
 
 
 def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Callable[[], None] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app for `config`; pass `loaded` (what `load_engine` returns) to serve an already loaded
-    model."""
-    state = ServerState(config, loaded, on_ready, on_load_error)
+    model. `on_fatal`: the engine died (AsyncEngine's)."""
+    state = ServerState(config, loaded, on_ready, on_load_error, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -198,6 +203,8 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
         await loading   # a load still running finishes first (it cannot be interrupted)
         if state.engine is not None:
             await state.engine.stop()
+        if state.owns_engine and state.loaded is not None:
+            state.loaded[0].shutdown()
         logger.info("engine stopped")
 
     # No slash redirects: a 307 has no error body, and POST /v1/completions/ is then a 404 that says so.
@@ -427,7 +434,8 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
                log_level: str = "info") -> int:
     """Serve until SIGINT / SIGTERM. On SIGTERM: stop accepting, let requests in flight finish for
     up to `shutdown_timeout` seconds, then end the rest with an error (a stream gets an error event
-    and `data: [DONE]`, a non-streaming request a 500), stop the engine, return 0."""
+    and `data: [DONE]`, a non-streaming request a 500), stop the engine, return 0. If the engine
+    dies (a tensor-parallel worker is gone), its requests fail and the server shuts down: return 1."""
     shown_host = f"[{host}]" if ":" in host else host
     base_url = f"http://{shown_host}:{port}"
 
@@ -438,6 +446,10 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
               file=sys.stderr, flush=True)
 
     def on_load_error(error: BaseException) -> None:
+        server.should_exit = True
+
+    def on_fatal(error: BaseException) -> None:
+        logger.error("the engine cannot go on (%s); shutting down", error)
         server.should_exit = True
 
     def drain() -> None:
@@ -454,7 +466,7 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
         if engine is not None:
             engine.monitor.close()
 
-    app = create_app(config, on_ready=on_ready, on_load_error=on_load_error)
+    app = create_app(config, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        http=HeaderTimeoutH11Protocol.with_timeout(config.request_read_timeout),
@@ -472,4 +484,5 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
         raise error
     if error is not None:
         raise RuntimeError(f"loading the model failed: {error}") from error
-    return 0 if server.started else 1
+    dead = app.state.tokenmill.engine is not None and app.state.tokenmill.engine.fatal_error is not None
+    return 0 if server.started and not dead else 1

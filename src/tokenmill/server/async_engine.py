@@ -23,14 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenmill.engine.engine import EngineStats, LLMEngine
 from tokenmill.engine.input import InputProcessor
 from tokenmill.engine.output import OutputProcessor
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.outputs import RequestOutput, snapshot_output
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
@@ -171,12 +171,16 @@ class AsyncEngine:
     `stats_log_interval`: seconds between the INFO stats lines logged while busy (None: none).
 
     `executor`: the one thread to step the engine in (the thread that loaded it, ideally: see
-    engine_thread); `stop` shuts it down unless `keep_executor` (its owner steps more engines in it)."""
+    engine_thread); `stop` shuts it down unless `keep_executor` (its owner steps more engines in it).
+
+    `on_fatal(error)`: called once if the engine dies (errors.EngineDeadError: a tensor-parallel
+    worker is gone); every request in flight has failed by then and no more are taken."""
 
     def __init__(self, engine: LLMEngine, inputs: InputProcessor, max_queued_requests: int,
                  metrics: ServerMetrics | None = None,
                  executor: ThreadPoolExecutor | None = None,
-                 stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL, keep_executor: bool = False):
+                 stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL, keep_executor: bool = False,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or \
                 max_queued_requests < 0:
             raise TokenmillError(f"max_queued_requests must be an integer >= 0, got {max_queued_requests!r}")
@@ -207,6 +211,8 @@ class AsyncEngine:
         self._busy = asyncio.Event()   # set by the loop when it steps; cleared by the stats task once idle
         self._busy_since = 0.0
         self.monitor = EngineMonitor(engine, self._wake.set)   # the live view's feed (GET /engine/feed)
+        self.on_fatal = on_fatal
+        self.fatal_error: BaseException | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -315,6 +321,12 @@ class AsyncEngine:
                                         status="error")
                     except Exception:
                         logger.exception("aborting %s failed", request_id)
+                if isinstance(e, EngineDeadError):   # it cannot step again: take no more, tell the server
+                    self.fatal_error = e
+                    self._failed_all = True
+                    if self.on_fatal is not None:
+                        self.on_fatal(e)
+                    return
 
     async def _log_stats(self, last: EngineStats) -> None:
         """Every `stats_log_interval` seconds while the engine is busy, one line of what the engine

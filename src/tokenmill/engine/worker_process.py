@@ -1,0 +1,81 @@
+"""A tensor-parallel worker process (rank 1..N-1): see engine/workers.py for the protocol."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+
+import torch
+
+from tokenmill import parallel
+from tokenmill.checkpoint import open_checkpoint
+from tokenmill.engine.kv_cache import allocate_kv_caches
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.workers import COLLECTIVE_TIMEOUT_S, WorkerSpec
+from tokenmill.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+def _exit_with_engine() -> None:
+    """Exit when stdin closes: the engine holds the pipe open for as long as its process lives."""
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os._exit(1)   # (no cleanup: the group's peer is gone, and the main thread may be inside a collective)
+
+    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+
+
+def worker_main(rank: int, spec: WorkerSpec) -> None:
+    """A worker process: build rank `rank`, then run the steps rank 0 broadcasts until it sends None."""
+    _exit_with_engine()
+    logging.basicConfig(level=logging.WARNING, format=f"tokenmill-tp{rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(spec.threads)
+    tp = parallel.connect(spec.host, spec.port, rank, spec.world_size, COLLECTIVE_TIMEOUT_S)
+    try:
+        _serve(tp, spec)
+    except parallel.ParallelError as e:   # rank 0 is gone: nothing to do but exit
+        logger.error("%s", e)
+        sys.exit(1)
+    finally:
+        parallel.close(tp)
+
+
+def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
+    config = spec.config
+    device = torch.device(spec.device)
+    error = model = None
+    try:
+        model, model_config = load_model(open_checkpoint(spec.checkpoint), spec.dtype, device, False,
+                                         config.quantization, config.max_model_len, False, tp)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    plan = parallel.broadcast_object(None, tp)
+    if error is None:
+        try:
+            kv_heads = parallel.kv_heads_per_rank(model_config.num_heads, model_config.num_kv_heads, tp.size)
+            caches = allocate_kv_caches(model_config, plan.num_blocks, plan.block_size, plan.dtype, device,
+                                        kv_heads[tp.rank])
+            runner = ModelRunner(model, caches, plan.block_size, model_config.vocab_size, device,
+                                 config.attention_backend)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    parallel.gather_objects(error, tp)
+    if error is not None:
+        return
+    while (batch := parallel.broadcast_object(None, tp)) is not None:
+        try:
+            runner.run(*batch)
+        except parallel.ParallelError:
+            raise
+        except Exception:   # the same failure as on rank 0 (same inputs, same code): rank 0 decides
+            logger.exception("a step failed on rank %d", tp.rank)
+
+
+def main() -> None:
+    """A worker process's entry (started by TPWorkers: the rank as argument, the WorkerSpec pickled on
+    stdin)."""
+    worker_main(int(sys.argv[1]), pickle.load(sys.stdin.buffer))

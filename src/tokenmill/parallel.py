@@ -1,0 +1,210 @@
+"""Tensor parallelism: which part of each weight a rank holds, and the collectives that join them.
+
+Megatron's layout. A column-parallel Linear keeps some of the checkpoint's output rows (q/k/v of its
+heads, its slice of gate/up, of the vocabulary); a row-parallel one keeps the matching input
+columns (o, down), and its outputs are summed over the ranks by one all-reduce. Heads are split by
+KV-head groups, so that a rank's query heads attend to its own KV heads: with 9 query heads over
+3 KV heads (SmolLM2) on 2 ranks, rank 0 holds KV heads 0-1 and query heads 0-5, rank 1 the rest.
+With fewer KV heads than ranks, each KV head is replicated on `ranks / kv_heads` ranks (as in
+vLLM), which split its query heads. Intermediate and column splits are whole groups of 32 inputs,
+so a quantized weight splits along whole quantization groups (the activation quantization is per
+group too, so each partial product is the one rank 1 would compute; only the summation order of
+the all-reduce differs).
+
+A model is built for the ranks that `building()` declares (layers read `current()` in their
+constructors, as vLLM's layers read its parallel state); outside it everything is one rank, so a
+draft model or a test model built in the same process stays whole.
+
+The collectives raise `ParallelError` when a peer is gone (gloo reports a closed connection) or
+does not answer within the group's timeout: the engine treats that as fatal, never as one
+request's failure, since the ranks would no longer run the same steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.errors import EngineDeadError, TokenmillError
+
+logger = logging.getLogger(__name__)
+
+QUANT_GROUP = 32   # inputs per quantization group (layers/quant.py GROUP_SIZE): the unit of a column split
+
+
+class ParallelError(EngineDeadError):
+    """A rank failed or stopped answering: the tensor-parallel group is broken."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None   # None for one rank
+
+
+SINGLE = TensorParallel()
+_current = SINGLE
+
+
+@contextlib.contextmanager
+def building(tp: TensorParallel) -> Iterator[None]:
+    """Build the layers created inside for rank `tp.rank` of `tp.size`."""
+    global _current
+    previous, _current = _current, tp
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current() -> TensorParallel:
+    return _current
+
+
+def split(total: int, parts: int, unit: int = 1) -> list[range]:
+    """`total` split into `parts` contiguous ranges of whole `unit`s, sizes differing by at most one unit
+    (the larger first)."""
+    if total % unit:
+        raise TokenmillError(f"tensor_parallel_size: a dimension of {total} cannot be split in units of {unit}")
+    units = total // unit
+    if units < parts:
+        raise TokenmillError(f"tensor_parallel_size {parts}: a dimension of {total} has only {units} units of "
+                             f"{unit} to split")
+    sizes = [units // parts + (i < units % parts) for i in range(parts)]
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    return [range(s * unit, (s + n) * unit) for s, n in zip(starts, sizes, strict=True)]
+
+
+def mlp_slice(intermediate_size: int, tp: TensorParallel) -> range:
+    """This rank's slice of an MLP's intermediate dimension (the down projection's input): whole
+    quantization groups where the dimension has them."""
+    unit = QUANT_GROUP if intermediate_size % QUANT_GROUP == 0 else 1
+    return split(intermediate_size, tp.size, unit)[tp.rank]
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """A rank's query heads and KV heads (ranges of head indices)."""
+    q: range
+    kv: range
+
+
+def head_slice(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSlice:
+    if tp.size == 1:
+        return HeadSlice(range(num_heads), range(num_kv_heads))
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp.size:
+        kv = split(num_kv_heads, tp.size)[tp.rank]
+        return HeadSlice(range(kv.start * group, kv.stop * group), kv)
+    if tp.size % num_kv_heads or group % (tp.size // num_kv_heads):
+        raise TokenmillError(f"tensor_parallel_size {tp.size}: the model's {num_kv_heads} KV heads (each serving "
+                             f"{group} query heads) cannot be spread over {tp.size} ranks: with fewer KV heads than "
+                             f"ranks, the ranks must be a multiple of the KV heads and split each one's query heads "
+                             f"evenly")
+    replicas = tp.size // num_kv_heads
+    kv_head, part = divmod(tp.rank, replicas)
+    per_rank = group // replicas
+    start = kv_head * group + part * per_rank
+    return HeadSlice(range(start, start + per_rank), range(kv_head, kv_head + 1))
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, size: int) -> list[int]:
+    """How many KV heads each of `size` ranks holds (replicas included): their KV pools' shapes."""
+    return [len(head_slice(num_heads, num_kv_heads, TensorParallel(rank, size)).kv) for rank in range(size)]
+
+
+def scaled(r: range, factor: int) -> range:
+    """Head indices -> the rows (or columns) of their values, `factor` per head."""
+    return range(r.start * factor, r.stop * factor)
+
+
+def connect(host: str, port: int, rank: int, size: int, timeout_s: float) -> TensorParallel:
+    """Rank `rank` of a new gloo group of `size` ranks that meet at host:port (rank 0 listens there).
+
+    The group is this engine's own (a ProcessGroupGloo over its own TCPStore), not torch.distributed's
+    default group: a process may run several engines (a test, a server with a draft model), and
+    nothing here depends on global state."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    except (RuntimeError, ValueError) as e:
+        raise ParallelError(f"tensor parallel: rank {rank} could not join the group at {host}:{port}: {e}") from e
+    return TensorParallel(rank, size, group)
+
+
+def close(tp: TensorParallel) -> None:
+    """Shut the group down now. Left to the garbage collector, a group whose peer died can be
+    destroyed during interpreter exit, when gloo's threads abort the process."""
+    if tp.group is not None:
+        try:
+            tp.group.shutdown()
+        except RuntimeError as e:
+            logger.warning("tensor parallel: shutting the group down: %s", e)
+
+
+def _check(what: str, work) -> None:
+    """Wait for a collective; a peer that is gone (gloo: "Connection closed by peer") or silent past
+    the group's timeout raises ParallelError."""
+    try:
+        work().wait()
+    except (RuntimeError, ValueError) as e:
+        raise ParallelError(f"tensor parallel {what} failed (a worker died or stopped answering): {e}") from e
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The sum of `x` over the ranks (in place)."""
+    if tp.size > 1:
+        _check("all-reduce", lambda: tp.group.allreduce([x]))
+    return x
+
+
+def _gather(x: torch.Tensor, tp: TensorParallel) -> list[torch.Tensor] | None:
+    """Every rank's `x` (same shape and dtype everywhere), in rank order, on rank 0; None elsewhere."""
+    opts = dist.GatherOptions()
+    opts.rootRank = 0
+    parts = [[torch.empty_like(x) for _ in range(tp.size)]] if tp.rank == 0 else []
+    _check("gather", lambda: tp.group.gather(parts, [x.contiguous()], opts))
+    return parts[0] if parts else None
+
+
+def gather_columns(x: torch.Tensor, sizes: list[int], tp: TensorParallel) -> torch.Tensor | None:
+    """The ranks' [rows, sizes[rank]] parts side by side on rank 0 ([rows, sum(sizes)]); None on the
+    others."""
+    if tp.size == 1:
+        return x
+    parts = _gather(torch.nn.functional.pad(x, (0, max(sizes) - x.shape[1])), tp)
+    if parts is None:
+        return None
+    return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
+
+
+def broadcast_object(obj: object, tp: TensorParallel) -> object:
+    """Rank 0's `obj` (pickled) on every rank."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if tp.rank == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+    _check("broadcast", lambda: tp.group.broadcast(size, 0))
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    _check("broadcast", lambda: tp.group.broadcast(data, 0))
+    return obj if tp.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+def gather_objects(obj: object, tp: TensorParallel) -> list[object] | None:
+    """Every rank's `obj` (pickled), in rank order, on rank 0; None elsewhere."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = _gather(torch.tensor([data.numel()], dtype=torch.int64), tp)
+    width = torch.tensor([0 if sizes is None else int(max(sizes))], dtype=torch.int64)
+    _check("broadcast", lambda: tp.group.broadcast(width, 0))
+    parts = _gather(torch.nn.functional.pad(data, (0, int(width) - data.numel())), tp)
+    if parts is None:
+        return None
+    return [pickle.loads(p[:int(n)].numpy().tobytes()) for p, n in zip(parts, sizes, strict=True)]

@@ -23,6 +23,7 @@ from engine_helpers import make_engine
 from test_server import Server, running, wait_for
 
 from tokenmill import parallel
+from tokenmill.bench.serve import free_port
 from tokenmill.errors import TokenmillError
 from tokenmill.parallel import ParallelError, TensorParallel
 from tokenmill.sampling import SamplingParams
@@ -144,6 +145,23 @@ def test_default_model_tp2_matches_tp1(default_gguf_path, kv_cache_dtype, tol):
     assert_same_run(one, two, tol)
 
 
+def test_decode_stack_under_tp_gives_the_layer_loops_bits(tiny_gguf_model):
+    """The C decode stack all-reduces the row-parallel outputs itself (kernels.c, shm_exchange.c).
+    Rank 0 on the layer loop (Linear's all-reduces from Python) and rank 1 on the stack must give
+    the bits of both ranks on the stack: rank 0's part (residual added there) and the order of the
+    sum are the same either way. (A worker's stack that got it wrong fails the parity tests above.)"""
+    engine = tp_engine(tiny_gguf_model("llama", "Q4_0"))
+    try:
+        both = run_greedy(engine)
+        stack = engine.model.model
+        assert stack._plan not in (None, False), "the decode stack did not run"
+        stack.use_decode_stack = False
+        mixed = run_greedy(engine)
+    finally:
+        engine.shutdown()
+    assert both == mixed
+
+
 def workload(engine) -> tuple[list, object]:
     """Long prompts in chunks (max_num_batched_tokens 32), a shared prefix, seeded sampling, a
     pool small enough to preempt, one request aborted midway; the outputs and the engine's stats."""
@@ -191,6 +209,48 @@ def test_speculation_under_tp2(tiny_hf_model):
         assert engine.stats().spec_num_draft_tokens > 0
     finally:
         engine.shutdown()
+
+
+# ---- ranks started elsewhere -----------------------------------------------------------------------
+
+def test_ranks_started_elsewhere_join_through_torchrun_variables(tiny_hf_model, monkeypatch):
+    """Two "machines" on loopback: the engine as RANK 0 and `tokenmill worker` as RANK 1 of a group
+    named by torchrun's variables; all traffic over gloo (no shared mapping between machines)."""
+    path = tiny_hf_model("llama")
+    one = run_greedy(make_engine(path, threads=1))
+    meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    worker = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "worker"],
+                              env={**os.environ, **meet, "RANK": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        for name, value in {**meet, "RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        engine = tp_engine(path)
+        try:
+            assert engine.workers.procs == [] and engine.workers.tp.shm is None
+            two = run_greedy(engine)
+        finally:
+            engine.shutdown()
+        assert worker.wait(30) == 0, worker.stderr.read()
+    finally:
+        worker.kill()
+    assert_same_run(one, two, LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("env,message", [({}, "set MASTER_ADDR"), ({"RANK": "0"}, "RANK=0 is the engine's"),
+                                         ({"RANK": "2"}, "not one of WORLD_SIZE 2's ranks")])
+def test_worker_command_refuses_a_missing_or_wrong_rank(env, message):
+    meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "2"} if env else {}
+    clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker"], env={**clean, **meet, **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_an_engine_rank_that_is_not_zero_is_refused(tiny_hf_model, monkeypatch):
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(TokenmillError, match="tokenmill worker"):
+        tp_engine(tiny_hf_model("llama"))
 
 
 # ---- failure --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, chat, bench.
+"""The `tokenmill` command: generate, chat, serve, worker (a tensor-parallel rank elsewhere), bench.
 
 Every user error (bad path, bad parameter) is one line on stderr and exit status 2, never a
 traceback.
@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import itertools
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,6 +121,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, engine_args(args))
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tokenmill.engine.worker_process import worker_main
+    from tokenmill.engine.workers import Rendezvous
+    from tokenmill.errors import EngineDeadError
+
+    found = Rendezvous.from_env(os.environ)
+    if found is None:
+        raise TokenmillError("worker: set MASTER_ADDR and MASTER_PORT (where the engine, rank 0, listens), "
+                             "WORLD_SIZE (its tensor_parallel_size) and RANK (this worker's, 1..WORLD_SIZE-1)")
+    meet, rank = found
+    if rank == 0:
+        raise TokenmillError("worker: RANK=0 is the engine's own (`tokenmill serve` or LLM(...) with the same "
+                             "variables); a worker is rank 1..WORLD_SIZE-1")
+    print(f"tokenmill worker: rank {rank} of {meet.world_size}, joining {meet.host}:{meet.port}", file=sys.stderr)
+    try:
+        worker_main(rank, meet)
+    except EngineDeadError as e:
+        print(f"tokenmill worker: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -180,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = _command(sub, "worker", help="a tensor-parallel rank on another machine: joins the engine at "
+                 "MASTER_ADDR:MASTER_PORT as RANK of WORLD_SIZE (torchrun's variables); the model and every "
+                 "setting come from the engine")
+    p.set_defaults(func=cmd_worker)
 
     p = _command(sub, "bench", help="benchmarks (print a table, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)
@@ -261,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_bench(bench, "scaling", "decode step time and tok/s against the roofline bound as the batch (1-128) and "
                  "the context (128-16k) grow: a table, JSON and PNG plots",
                  scaling.add_scaling_args, scaling.cmd_scaling)
+
+    from tokenmill.bench import parallel
+    _model_bench(bench, "parallel", "tensor parallelism on this machine: decode step time of TP=1 on 1 and 2 "
+                 "threads and TP=2 on 1 thread per rank, and TP=2's communication as a share of its step",
+                 parallel.add_parallel_args, parallel.cmd_parallel)
 
     from tokenmill.bench import spec
     _model_bench(bench, "spec", "speculative decoding: output tok/s off / ngram / draft model on an "

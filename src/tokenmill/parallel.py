@@ -23,15 +23,19 @@ request's failure, since the ranks would no longer run the same steps.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import logging
 import pickle
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tokenmill import kernels
 from tokenmill.errors import EngineDeadError, TokenmillError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,99 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None   # None for one rank
+    shm: SharedExchange | None = None        # ranks on one machine: the collectives go through it
+
+
+SHM_SLOT_BYTES = 4 << 20   # per rank and parity; a larger transfer takes several exchanges
+
+
+class SharedExchange:
+    """Tensor-parallel ranks of one machine exchanging through a shared file mapping
+    (kernels/shm_exchange.c has the layout and the protocol). gloo's collectives cost 0.1-1.5 ms each
+    here, more than a decode step's compute, so ranks on one machine use this once the group is up
+    (vLLM's CPU backend also all-reduces through shared memory); gloo stays for setup and for ranks
+    on several machines. Rank 0 creates the file (`create`), the others map it; rank 0 removes the
+    name once every rank has it mapped (`unlink`). `watch(pids)`: processes whose death ends a wait
+    (rank 0 watches its workers; a worker exits by itself when the engine's process is gone)."""
+
+    def __init__(self, path: Path, rank: int, size: int, timeout_s: float):
+        lib = kernels.load()
+        if lib is None:
+            raise TokenmillError("tensor parallel: the C kernels (shm_exchange.c) cannot be built here")
+        self.lib, self.path, self.rank, self.size = lib, path, rank, size
+        self.header_bytes = lib.shm_header_bytes()
+        self.region = torch.from_file(str(path), shared=True, size=shm_bytes(size), dtype=torch.uint8)
+        self.seq = torch.zeros(1, dtype=torch.int64)   # exchanges so far (C advances it)
+        self.pids = torch.zeros(0, dtype=torch.int64)
+        self.stats = torch.zeros(2, dtype=torch.int64)   # exchanges, microseconds in them (C counts)
+        self.plan = kernels.ShmPlan(self.region.data_ptr(), SHM_SLOT_BYTES, self.seq.data_ptr(), None, 0,
+                                    int(timeout_s * 1e6), self.stats.data_ptr(), rank, size)
+
+    @classmethod
+    def create(cls, path: Path, size: int, timeout_s: float) -> SharedExchange:
+        with open(path, "xb") as f:   # zeroed: every rank's sequence number starts at 0
+            f.truncate(shm_bytes(size))
+        return cls(path, 0, size, timeout_s)
+
+    def time_spent(self) -> float:
+        """Seconds this rank has spent in exchanges (waiting for the others included)."""
+        return int(self.stats[1]) / 1e6
+
+    def watch(self, pids: list[int]) -> None:
+        self.pids = torch.tensor(pids, dtype=torch.int64)
+        self.plan.peer_pids, self.plan.num_peer_pids = self.pids.data_ptr(), len(pids)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def check(self, status: int, what: str) -> None:
+        if status:
+            why = "did not answer in time" if status == -1 else "died"
+            raise ParallelError(f"tensor parallel {what} failed: a rank {why}")
+
+    def exchange(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Publish `data` (uint8, at most SHM_SLOT_BYTES) and return every rank's, in rank order
+        (views of the mapping, valid until the next exchange)."""
+        data = data.contiguous()
+        self.check(self.lib.shm_exchange(ctypes.byref(self.plan), data.data_ptr(), data.numel()), "exchange")
+        parity = int(self.seq) % 2
+        lengths = self.region[:self.size * self.header_bytes].view(torch.int64).view(self.size, -1)[:, 1 + parity]
+        base = self.size * self.header_bytes + parity * self.size * SHM_SLOT_BYTES
+        return [self.region[base + r * SHM_SLOT_BYTES:base + r * SHM_SLOT_BYTES + n]
+                for r, n in enumerate(lengths.tolist())]
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """x (float32 or bfloat16, contiguous) = the sum of every rank's x, added in rank order."""
+        self.check(self.lib.shm_all_reduce(ctypes.byref(self.plan), x.data_ptr(), x.numel(),
+                                           int(x.dtype == torch.bfloat16)), "all-reduce")
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (the same shape and dtype on every rank), in rank order."""
+        flat = x.contiguous().view(-1).view(torch.uint8)
+        parts: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
+        for start in range(0, flat.numel(), SHM_SLOT_BYTES):
+            for r, got in enumerate(self.exchange(flat[start:start + SHM_SLOT_BYTES])):
+                parts[r].append(got.clone())
+        return [torch.cat(p).view(x.dtype).view(x.shape) for p in parts]
+
+    def broadcast(self, payload: bytes | None) -> bytes:
+        """Rank 0's `payload` on every rank (the others pass None); the first exchange carries its length."""
+        mine = b"" if payload is None else struct.pack("<q", len(payload)) + payload
+        received: list[bytes] = []
+        offset, length = 0, None
+        while length is None or sum(map(len, received)) < 8 + length:
+            chunk = mine[offset:offset + SHM_SLOT_BYTES]
+            data = torch.frombuffer(bytearray(chunk), dtype=torch.uint8) if chunk else torch.empty(0, dtype=torch.uint8)
+            received.append(self.exchange(data)[0].numpy().tobytes())
+            offset += SHM_SLOT_BYTES
+            if length is None:
+                length = struct.unpack("<q", received[0][:8])[0]
+        return b"".join(received)[8:8 + length]
+
+
+def shm_bytes(size: int) -> int:
+    """The shared mapping's size for `size` ranks."""
+    return size * (kernels.load().shm_header_bytes() + 2 * SHM_SLOT_BYTES)
 
 
 SINGLE = TensorParallel()
@@ -161,14 +258,22 @@ def _check(what: str, work) -> None:
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """The sum of `x` over the ranks (in place)."""
-    if tp.size > 1:
+    """The sum of `x` over the ranks (in place). Through shared memory, every rank adds the parts in
+    rank order in float32 and rounds once to x's dtype: the same bits on every rank."""
+    if tp.size == 1:
+        return x
+    if tp.shm is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
+        tp.shm.all_reduce(x)
+    else:
         _check("all-reduce", lambda: tp.group.allreduce([x]))
     return x
 
 
 def _gather(x: torch.Tensor, tp: TensorParallel) -> list[torch.Tensor] | None:
     """Every rank's `x` (same shape and dtype everywhere), in rank order, on rank 0; None elsewhere."""
+    if tp.shm is not None:
+        parts = tp.shm.all_gather(x)
+        return parts if tp.rank == 0 else None
     opts = dist.GatherOptions()
     opts.rootRank = 0
     parts = [[torch.empty_like(x) for _ in range(tp.size)]] if tp.rank == 0 else []
@@ -189,6 +294,9 @@ def gather_columns(x: torch.Tensor, sizes: list[int], tp: TensorParallel) -> tor
 
 def broadcast_object(obj: object, tp: TensorParallel) -> object:
     """Rank 0's `obj` (pickled) on every rank."""
+    if tp.shm is not None:
+        received = tp.shm.broadcast(pickle.dumps(obj) if tp.rank == 0 else None)
+        return obj if tp.rank == 0 else pickle.loads(received)
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if tp.rank == 0 else None
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
     _check("broadcast", lambda: tp.group.broadcast(size, 0))

@@ -3,10 +3,10 @@
 Tensor parallelism, decode steps (`bench roofline`'s measurement: `--steps` decode steps of `batch`
 requests of `--context` random tokens, median of `--repeats`), each configuration in a fresh
 process: TP=1 on one thread, TP=1 on two threads (the same cores used by one process: the peer at
-its best on this machine) and TP=2 with one thread per rank. For TP=2 the step's communication is
-measured on its own (TPWorkers.probe: the step's batch broadcast and every all-reduce and gather
-its forward runs, same shapes, no compute) and reported as a share of the TP=2 step; the target
-is under 15%.
+its best on this machine) and TP=2 with one thread per rank. For TP=2, the time rank 0 spends
+communicating during the timed steps (TPWorkers.comm_time: the step's batch broadcast and every
+all-reduce and gather, waits for the other rank included, so an upper bound of the overhead) is
+reported as a share of the step; the target is under 15%.
 
 On one machine the ranks share its cores and memory bandwidth, so TP=2 is not expected to beat
 TP=1 on the same cores: it splits the weights' memory, and the table shows what that costs.
@@ -38,28 +38,31 @@ def measure_config(model: str | None, flags: dict[str, Any], batch_sizes: list[i
                    repeats: int) -> Row:
     """One configuration's points (in a fresh process: run_spawned)."""
     from tokenmill import LLM
-    from tokenmill.bench.roofline import decode_tokens_per_request, measure_decode
+    from tokenmill.bench.roofline import decode_tokens_per_request, start_decode, time_decode
 
     longest = context + max(decode_tokens_per_request(b, context, steps, flags.get("max_num_batched_tokens", 2048))
                             for b in batch_sizes)
     llm = LLM(model, **{**flags, "max_num_seqs": max(batch_sizes), "max_model_len": longest + 1,
                         "num_kv_blocks": max(batch_sizes) * (longest // flags.get("block_size", 16) + 2)})
-    engine = llm.engine
+    workers = llm.engine.workers
     points = []
     for batch in batch_sizes:
-        rates, comm = [], []
+        rates, shares = [], []
         for _ in range(repeats):
-            rates.append(measure_decode(llm, batch, context, steps))
-            if engine.workers is not None:   # the last decode step's communication alone
-                comm.append(statistics.median(engine.workers.probe(engine.model, engine.dtype) for _ in range(20)))
+            start_decode(llm, batch, context, steps)
+            comm = 0.0 if workers is None else workers.comm_time()
+            tokens, elapsed = time_decode(llm, steps)
+            rates.append(tokens / elapsed)
+            if workers is not None:
+                shares.append((workers.comm_time() - comm) / elapsed)
         tok_s = statistics.median(rates)
         point = {"batch": batch, "tok_s": tok_s, "tok_s_all": rates, "step_ms": 1e3 * batch / tok_s}
-        if comm:
-            point["comm_ms"] = 1e3 * statistics.median(comm)
-            point["comm_share"] = point["comm_ms"] / point["step_ms"]
+        if shares:
+            point["comm_share"] = statistics.median(shares)
+            point["comm_ms"] = point["comm_share"] * point["step_ms"]
         points.append(point)
-    workers_mib = [] if engine.workers is None else [vm_hwm_mib(p.pid) for p in engine.workers.procs]
-    engine.shutdown()
+    workers_mib = [] if workers is None else [vm_hwm_mib(p.pid) for p in workers.procs]
+    llm.engine.shutdown()
     return {"points": points, "worker_peak_rss_mib": workers_mib}
 
 

@@ -188,6 +188,14 @@ def measure_decode(llm, batch: int, context: int, steps: int) -> float:
     """Tokens/s of decode steps of `batch` requests whose context is about `context` tokens: the
     tokens the steps generated (the engine's counter, not batch x steps: a pool or a max_num_seqs
     too small for the batch runs fewer at once, and must not count as faster)."""
+    start_decode(llm, batch, context, steps)
+    tokens, elapsed = time_decode(llm, steps)
+    return tokens / elapsed
+
+
+def start_decode(llm, batch: int, context: int, steps: int) -> None:
+    """Add `batch` requests of `context` random tokens (room for `steps` decode steps each), prefill
+    them and run the first all-decode step (a warm-up)."""
     from tokenmill import SamplingParams
 
     engine = llm.engine
@@ -200,14 +208,20 @@ def measure_decode(llm, batch: int, context: int, steps: int) -> float:
         engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
-    engine.step()   # the first all-decode step (warm-up)
+    engine.step()
+
+
+def time_decode(llm, steps: int) -> tuple[int, float]:
+    """(tokens generated, seconds) of `steps` engine steps after start_decode; the requests are
+    aborted after."""
+    engine = llm.engine
     before, start = engine.num_generation_tokens, time.perf_counter()
     for _ in range(steps):
         engine.step()
     elapsed, tokens = time.perf_counter() - start, engine.num_generation_tokens - before
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    return tokens / elapsed
+    return tokens, elapsed
 
 
 def run_roofline(args: argparse.Namespace) -> dict[str, Any]:

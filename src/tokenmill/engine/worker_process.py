@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import pickle
 import sys
 import threading
 
@@ -14,37 +14,41 @@ from tokenmill import parallel
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import allocate_kv_caches
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.workers import COLLECTIVE_TIMEOUT_S, WorkerSpec
+from tokenmill.engine.workers import COLLECTIVE_TIMEOUT_S, Rendezvous, WorkerSpec, receive_batch
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
 
 def _exit_with_engine() -> None:
-    """Exit when stdin closes: the engine holds the pipe open for as long as its process lives."""
+    """Exit when stdin closes: the engine holds the pipe open for as long as its process lives.
+    (Read from the descriptor, not sys.stdin: a thread blocked in the buffered reader stops the
+    interpreter's own exit.)"""
     def watch() -> None:
-        sys.stdin.buffer.read()
+        while os.read(0, 4096):
+            pass
         os._exit(1)   # (no cleanup: the group's peer is gone, and the main thread may be inside a collective)
 
     threading.Thread(target=watch, name="engine-watch", daemon=True).start()
 
 
-def worker_main(rank: int, spec: WorkerSpec) -> None:
-    """A worker process: build rank `rank`, then run the steps rank 0 broadcasts until it sends None."""
-    _exit_with_engine()
+def worker_main(rank: int, meet: Rendezvous) -> None:
+    """Rank `rank` of the group that meets at `meet`: receive the spec, build this rank, then run what
+    rank 0 broadcasts until it sends None. Returns when the engine shut the group down; raises
+    ParallelError if the group broke."""
     logging.basicConfig(level=logging.WARNING, format=f"tokenmill-tp{rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(spec.threads)
-    tp = parallel.connect(spec.host, spec.port, rank, spec.world_size, COLLECTIVE_TIMEOUT_S)
+    tp = parallel.connect(meet.host, meet.port, rank, meet.world_size, COLLECTIVE_TIMEOUT_S)
     try:
+        spec = parallel.broadcast_object(None, tp)
+        if spec.shm is not None:
+            tp = dataclasses.replace(tp, shm=parallel.SharedExchange(spec.shm, rank, tp.size, COLLECTIVE_TIMEOUT_S))
         _serve(tp, spec)
-    except parallel.ParallelError as e:   # rank 0 is gone: nothing to do but exit
-        logger.error("%s", e)
-        sys.exit(1)
     finally:
         parallel.close(tp)
 
 
 def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
+    torch.set_num_threads(spec.threads)
     config = spec.config
     device = torch.device(spec.device)
     error = model = None
@@ -66,7 +70,7 @@ def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
     parallel.gather_objects(error, tp)
     if error is not None:
         return
-    while (batch := parallel.broadcast_object(None, tp)) is not None:
+    while (batch := receive_batch(tp)) is not None:
         try:
             runner.run(*batch)
         except parallel.ParallelError:
@@ -76,6 +80,12 @@ def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
 
 
 def main() -> None:
-    """A worker process's entry (started by TPWorkers: the rank as argument, the WorkerSpec pickled on
-    stdin)."""
-    worker_main(int(sys.argv[1]), pickle.load(sys.stdin.buffer))
+    """A worker started by TPWorkers on this machine: rank, host, port and world size as arguments;
+    it exits when its stdin closes (the engine's process is gone)."""
+    rank, host, port, size = sys.argv[1:5]
+    _exit_with_engine()
+    try:
+        worker_main(int(rank), Rendezvous(host, int(port), int(size)))
+    except parallel.ParallelError as e:   # rank 0 is gone: nothing to do but exit
+        logger.error("%s", e)
+        sys.exit(1)

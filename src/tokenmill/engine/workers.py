@@ -1,42 +1,54 @@
-"""Tensor-parallel worker processes: ranks 1..N-1 of a model whose rank 0 runs in the engine's process.
+"""Tensor-parallel workers: ranks 1..N-1 of a model whose rank 0 runs in the engine's process.
 
-The scheduler stays in the engine. The workers are spawned by it, join a gloo process group
-(`torch.distributed`, TCP rendezvous on a free loopback port), each load their own part of the
-model (tokenmill/parallel.py) and their slice of every layer's paged KV pool (their KV heads; the
-block tables are the engine's, the same on every rank). Then, once per step, rank 0 broadcasts the
-step's packed batch (token ids, positions, attention metadata: built once, by ModelRunner.prepare)
-and every rank runs the same forward; the layers' all-reduces and the LM head's gather are the only
-other traffic, and only rank 0 gets logits and samples.
+The scheduler stays in the engine. The workers join a gloo process group with it (torch.distributed
+over TCP: tokenmill/parallel.py), each load their own part of the model and their slice of every
+layer's paged KV pool (their KV heads; the block tables are the engine's, the same on every rank).
+Then, once per step, rank 0 broadcasts the step's packed batch (token ids, positions, attention
+metadata: built once, by ModelRunner.prepare) and every rank runs the same forward; the layers'
+all-reduces and the LM head's gather are the only other traffic, and only rank 0 gets logits and
+samples.
 
     engine (rank 0)                         worker (rank r)
-    start(): spawn -> init group            init group -> load part r
+    start workers (or wait for them)        join the group
+    broadcast the WorkerSpec      ------->  load part r
     load part 0; plan the KV pool
-    broadcast (blocks, KV dtype)  ------->  allocate its KV slice
-    gather ready / error          <------>  report ready / its load error
-    each step: broadcast batch    ------->  forward (all-reduce / gather with rank 0)
-    shutdown: broadcast None      ------->  leave the group, exit
+    broadcast the KVPlan          ------->  allocate its KV slice
+    gather ready / error          <-------  its load error, if any
+    each step: its batch          ------->  forward (all-reduce / gather with rank 0)
+    shutdown: None                ------->  leave the group, exit
+
+Where the ranks run. By default the engine starts them on this machine: fresh interpreters
+(`python -c`, not multiprocessing's spawn, which would import the caller's main module again, so a
+script without an `if __name__ == "__main__"` guard would start an engine in every worker), meeting
+on a free loopback port. Across machines, torchrun's variables say where to meet: an engine started
+with MASTER_ADDR, MASTER_PORT, RANK=0 and WORLD_SIZE=N (N = tensor_parallel_size) starts no worker
+and waits for ranks 1..N-1, each started with the same variables and its RANK as `tokenmill worker`
+on its machine (the model path must exist there too; every setting comes from the engine).
 
 Failure: a worker that dies (or stops answering within `COLLECTIVE_TIMEOUT_S`) breaks the group; the
 next collective raises parallel.ParallelError, and the engine fails its requests and stops (it never
 retries a step then: the ranks would no longer agree on what runs). Each step first checks that every
-worker is alive, so a dead one is found before anything is sent. A worker exits when its stdin (a
-pipe the engine holds open) closes, so an engine process that dies, even by SIGKILL, leaves no
-worker behind.
+local worker is alive, so a dead one is found before anything is sent. A local worker exits when its
+stdin (a pipe the engine holds open) closes, so an engine process that dies, even by SIGKILL, leaves
+no worker behind; a remote one exits when the group breaks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import pickle
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenmill import parallel
@@ -49,21 +61,42 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 600
 JOIN_TIMEOUT_S = 10
 LOOPBACK = "127.0.0.1"
+SHM_DIR = "/dev/shm"   # (memory, not disk: the shared mapping's file)
 WORKER_MODULE = "tokenmill.engine.worker_process"   # a worker's main()
 EXIT_WAIT_S = 1.0   # a collective's peer closed its connection: how long to wait for its exit status
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs to build its rank (picklable: it crosses into a spawned process)."""
+    """What a worker needs to build its rank (sent by rank 0 once the group is up)."""
     checkpoint: Path
     config: object          # the engine's EngineConfig
     dtype: torch.dtype
     device: str
     threads: int
-    host: str               # where rank 0 listens for the group's rendezvous
+    shm: Path | None        # ranks on one machine: the shared mapping their collectives go through
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's ranks meet (rank 0 listens there) and how many they are."""
+    host: str
     port: int
     world_size: int
+
+    @staticmethod
+    def from_env(env: Mapping[str, str]) -> tuple[Rendezvous, int] | None:
+        """torchrun's MASTER_ADDR / MASTER_PORT / WORLD_SIZE and this process's RANK, if set."""
+        names = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+        if not all(env.get(n) for n in names):
+            return None
+        try:
+            port, size, rank = int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), int(env["RANK"])
+        except ValueError as e:
+            raise TokenmillError(f"MASTER_PORT, WORLD_SIZE and RANK must be integers: {e}") from e
+        if not (0 <= rank < size):
+            raise TokenmillError(f"RANK {rank} is not one of WORLD_SIZE {size}'s ranks 0..{size - 1}")
+        return Rendezvous(env["MASTER_ADDR"], port, size), rank
 
 
 @dataclass(frozen=True)
@@ -81,29 +114,45 @@ def free_port() -> int:
 
 
 class TPWorkers:
-    """The worker processes of one tensor-parallel engine (and its process group)."""
+    """The workers of one tensor-parallel engine (and its process group)."""
 
     def __init__(self, checkpoint: Path, config: object, dtype: torch.dtype, device: torch.device, size: int,
-                 threads: int):
-        port = free_port()
-        spec = WorkerSpec(checkpoint, config, dtype, str(device), threads, LOOPBACK, port, size)
-        # Fresh interpreters running this module (not multiprocessing's spawn, which would import the
-        # caller's main module again: a script without an `if __name__ == "__main__"` guard would
-        # start a second engine in every worker).
-        self.procs = [subprocess.Popen([sys.executable, "-c", f"import {WORKER_MODULE} as w; w.main()", str(rank)],
-                                       stdin=subprocess.PIPE) for rank in range(1, size)]
-        for p in self.procs:   # stdin stays open: a worker exits when it closes (the engine's process died)
-            p.stdin.write(pickle.dumps(spec))
-            p.stdin.flush()
+                 threads: int, env: Mapping[str, str] = os.environ):
+        """`env`: where torchrun-style variables may name a rendezvous for ranks started elsewhere."""
+        external = Rendezvous.from_env(env)
+        if external is not None:
+            meet, rank = external
+            if rank != 0 or meet.world_size != size:
+                raise TokenmillError(f"tensor_parallel_size {size} with RANK={rank}, WORLD_SIZE={meet.world_size}: "
+                                     f"the engine is rank 0 of tensor_parallel_size ranks; start ranks 1.. with "
+                                     f"`tokenmill worker`")
+            self.procs: list[subprocess.Popen] = []
+            logger.info("tensor parallel: waiting at %s:%d for ranks 1..%d (`tokenmill worker`)", meet.host,
+                        meet.port, size - 1)
+        else:
+            meet = Rendezvous(LOOPBACK, free_port(), size)
+            # stdin stays open: a worker exits when it closes (the engine's process died)
+            self.procs = [subprocess.Popen([sys.executable, "-c", f"import {WORKER_MODULE} as w; w.main()",
+                                            str(rank), meet.host, str(meet.port), str(size)], stdin=subprocess.PIPE)
+                          for rank in range(1, size)]
+        # ranks on this machine exchange through shared memory (parallel.SharedExchange)
+        shm = None if external is not None else parallel.SharedExchange.create(
+            Path(SHM_DIR) / f"tokenmill-tp-{os.getpid()}-{meet.port}", size, COLLECTIVE_TIMEOUT_S)
+        # (also at exit: an engine never shut down stops its workers, closes its group, removes the mapping)
         groups: list[parallel.TensorParallel] = []
-        # (also at exit: an engine never shut down stops its workers and closes its group then)
-        self._finalizer = weakref.finalize(self, _stop, list(self.procs), groups)
+        self._finalizer = weakref.finalize(self, _stop, list(self.procs), groups, shm)
+        self.broadcast_s = 0.0
         try:
-            self.tp = parallel.connect(LOOPBACK, port, 0, size, COLLECTIVE_TIMEOUT_S)
-        except parallel.ParallelError:
+            tp = parallel.connect(meet.host, meet.port, 0, size, COLLECTIVE_TIMEOUT_S)
+            groups.append(tp)
+            spec = WorkerSpec(checkpoint, config, dtype, str(device), threads, None if shm is None else shm.path)
+            parallel.broadcast_object(spec, tp)
+        except parallel.ParallelError as e:
             self._finalizer()
-            raise
-        groups.append(self.tp)
+            raise self.explain(e) from e
+        if shm is not None:
+            shm.watch([p.pid for p in self.procs])
+        self.tp = dataclasses.replace(tp, shm=shm)
         self.closed = False
 
     def check_alive(self) -> None:
@@ -129,14 +178,24 @@ class TPWorkers:
         self.check_alive()
         parallel.broadcast_object(plan, self.tp)
         errors = parallel.gather_objects(None, self.tp)
+        if self.tp.shm is not None:   # every rank has it mapped now
+            self.tp.shm.unlink()
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
         if failed:
             raise TokenmillError(f"tensor parallel: rank {failed[0][0]} failed to load: {failed[0][1]}")
 
     def step(self, batch: tuple) -> None:
         """Send one step's batch (the arguments of ModelRunner.run) to every worker."""
+        start = time.perf_counter()
         self.check_alive()
-        parallel.broadcast_object(batch, self.tp)
+        parallel.broadcast_object(_arrays(batch, lambda t: t.numpy()), self.tp)
+        self.broadcast_s += time.perf_counter() - start
+
+    def comm_time(self) -> float:
+        """Seconds rank 0 has spent communicating with the workers: step broadcasts and collectives
+        (waits for a slower rank included). Shared-memory exchanges are timed in C; the gloo path
+        (ranks on several machines) counts the broadcasts only."""
+        return self.broadcast_s + (0.0 if self.tp.shm is None else self.tp.shm.time_spent())
 
     def shutdown(self) -> None:
         """Stop the workers (politely if the group still works) and leave the group."""
@@ -153,14 +212,35 @@ class TPWorkers:
         self._finalizer()
 
 
+def _arrays(value: object, convert: Callable) -> object:
+    """`value` with every tensor (or array) in it, also inside tuples and dataclasses, converted: a
+    step's batch crosses as numpy arrays, which pickle ten times faster than tensors."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return convert(value)
+    if isinstance(value, tuple):
+        return tuple(_arrays(v, convert) for v in value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _arrays(getattr(value, f.name), convert)
+                                             for f in dataclasses.fields(value)})
+    return value
+
+
+def receive_batch(tp: parallel.TensorParallel) -> tuple | None:
+    """A worker's side of TPWorkers.step: the next step's batch (ModelRunner.run's arguments), or
+    None when the engine shuts the group down."""
+    batch = parallel.broadcast_object(None, tp)
+    return None if batch is None else _arrays(batch, torch.from_numpy)
+
+
 def _exit_reason(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
 
 
-def _stop(procs: list[subprocess.Popen], groups: list[parallel.TensorParallel]) -> None:
-    """Kill the workers still running, close the group."""
+def _stop(procs: list[subprocess.Popen], groups: list[parallel.TensorParallel],
+          shm: parallel.SharedExchange | None) -> None:
+    """Kill the workers still running, close the group, remove the shared mapping's name."""
     for p in procs:
         if p.poll() is None:
             p.kill()
@@ -168,3 +248,5 @@ def _stop(procs: list[subprocess.Popen], groups: list[parallel.TensorParallel]) 
         p.stdin.close()
     for tp in groups:
         parallel.close(tp)
+    if shm is not None:
+        shm.unlink()

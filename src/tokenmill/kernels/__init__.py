@@ -10,6 +10,8 @@
 - kernels.c: decode_stack, a decoder stack's decode step as one call, run from per-layer plan
   structs declared in kernels.h (mirrored here with ctypes).
 - norm.c: rms_norm, the RMSNorm of norm.h that every kernel above uses too (layers/norm.py runs it).
+- shm_exchange.c: tensor-parallel ranks of one machine exchanging buffers through shared memory
+  (tokenmill/parallel.py's collectives: gloo's cost more than a decode step's compute here).
 
 Each .c file is its own translation unit compiled against kernels.h (every exported function and
 plan struct) and the helper headers simd.h / norm.h / attention.h; all of them link into one library.
@@ -125,12 +127,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_matmul_has_simd.restype = i32
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]
     lib.bf16_matmul.restype = i32
-    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.decode_stack.restype = i32
     lib.plan_struct_size.argtypes = [i32]
     lib.plan_struct_size.restype = i64
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr, i32, i32]
     lib.rms_norm.restype = None
+    lib.shm_exchange.argtypes = [ptr, ptr, i64]
+    lib.shm_exchange.restype = i32
+    lib.shm_all_reduce.argtypes = [ptr, ptr, i64, i32]
+    lib.shm_all_reduce.restype = i32
+    lib.shm_header_bytes.restype = i64
 
 
 def load() -> ctypes.CDLL | None:
@@ -350,7 +357,19 @@ class LayerPlan(ctypes.Structure):
                 ("mlp_out_norm_eps", ctypes.c_float), ("rope_local", ctypes.c_int64)]
 
 
-PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan)  # plan_struct_size's numbering
+class ShmError(RuntimeError):
+    """A shared-memory exchange failed: a rank died or did not answer in time (parallel.py turns it
+    into its ParallelError)."""
+
+
+class ShmPlan(ctypes.Structure):
+    """kernels.h's tm_shm: a tensor-parallel group's shared mapping (parallel.SharedExchange)."""
+    _fields_ = [("region", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64), ("seq", ctypes.c_void_p),
+                ("peer_pids", ctypes.c_void_p), ("num_peer_pids", ctypes.c_int64), ("timeout_us", ctypes.c_int64),
+                ("stats", ctypes.c_void_p), ("rank", ctypes.c_int32), ("size", ctypes.c_int32)]
+
+
+PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan)  # plan_struct_size's numbering
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -368,17 +387,22 @@ class StackPlan:
 
 def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 shm: ShmPlan | None = None) -> torch.Tensor:
     """A decode step through every layer of `plan`: x [B, hidden] fp32 (a new tensor is returned),
     rope = (cos, sin) [B, head_dim] (full-width rotary tables at each row's position), rope_local the
-    same for the layers planned with rope_local (None if there are none), slots [B]."""
+    same for the layers planned with rope_local (None if there are none), slots [B]. `shm`: the
+    tensor-parallel group the layers' row-parallel outputs are all-reduced in (a status 3 is
+    returned as ShmError)."""
     x = x.float().contiguous().clone()
     tables = [t.reshape(x.shape[0], -1).float().contiguous() for t in (*rope, *(rope_local or ()))]
     cos, sin, cos_local, sin_local = (*tables, None, None)[:4]
     status = load().decode_stack(plan.layers, len(plan.layers), x.data_ptr(), x.shape[0], cos.data_ptr(),
                                  sin.data_ptr(), pointer(cos_local), pointer(sin_local), slots.data_ptr(),
                                  block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                                 torch.get_num_threads())
+                                 None if shm is None else ctypes.addressof(shm), torch.get_num_threads())
+    if status == 3:
+        raise ShmError("decode stack: a tensor-parallel all-reduce failed (a rank died or stopped answering)")
     if status == 2:
         raise ValueError("decode stack: a layer plan has an unknown activation or needs local rotary tables")
     if status:

@@ -11,6 +11,7 @@ int64_t plan_struct_size(int which) {
         case 1: return (int64_t)sizeof(tm_attention_plan);
         case 2: return (int64_t)sizeof(tm_mlp_plan);
         case 3: return (int64_t)sizeof(tm_layer_plan);
+        case 4: return (int64_t)sizeof(tm_shm);
         default: return -1;
     }
 }
@@ -31,11 +32,19 @@ static void add_rmsnorm(float *x, float *y, const float *w, float eps, int64_t b
 }
 
 /* x + out_norm(y), y = w(a): the projection ending a block, with the residual add fused into the
- * matmul when there is no sandwich norm (tmp: [batch, hidden] scratch). */
+ * matmul when there is no sandwich norm (tmp: [batch, hidden] scratch). Under tensor parallelism
+ * (shm) w is row-parallel: y is summed over the ranks first, rank 0 adding the residual to its part
+ * (layers/linear.py Linear.forward, the same bits). */
 static int block_output(const tm_quant_weight *w, const float *a, int64_t batch, int gated, const float *out_norm,
-                        float eps, float *x, float *tmp, int num_threads) {
-    if (out_norm == NULL) return matmul(w, a, batch, gated, NULL, 0.0f, x, x, num_threads);
+                        float eps, float *x, float *tmp, const tm_shm *shm, int num_threads) {
+    const int64_t n = batch * w->out_features;
+    if (out_norm == NULL) {
+        const float *residual = shm == NULL || shm->rank == 0 ? x : NULL;
+        if (matmul(w, a, batch, gated, NULL, 0.0f, residual, x, num_threads)) return 1;
+        return shm != NULL && shm_all_reduce(shm, x, n, 0) ? 3 : 0;
+    }
     if (matmul(w, a, batch, gated, NULL, 0.0f, NULL, tmp, num_threads)) return 1;
+    if (shm != NULL && shm_all_reduce(shm, tmp, n, 0)) return 3;
     add_rmsnorm(x, tmp, out_norm, eps, batch, w->out_features);
     return 0;
 }
@@ -53,7 +62,8 @@ static int valid_plan(const tm_layer_plan *layer, const float *cos_local) {
  * scratch buffers are sized for the widest. */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
-                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int num_threads) {
+                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const tm_shm *shm,
+                 int num_threads) {
     int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_attention_plan *a = &layers[l].attn;
@@ -84,12 +94,15 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
                      qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, slots,
                      a->k_cache, a->v_cache, block_tables, max_blocks, seq_lens, attn, batch, a->heads, a->kv_heads,
                      a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm, a->k_norm,
-                     a->qk_norm_eps, num_threads, 0)
-              || block_output(&a->o, attn, batch, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps, x,
-                              out, num_threads)
-              || matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads)
-              || block_output(&m->down, gate_up, batch, (int)m->activation, layer->mlp_out_norm,
-                              layer->mlp_out_norm_eps, x, out, num_threads);
+                     a->qk_norm_eps, num_threads, 0);
+        if (!failed)
+            failed = block_output(&a->o, attn, batch, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps,
+                                  x, out, shm, num_threads);
+        if (!failed)
+            failed = matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads);
+        if (!failed)
+            failed = block_output(&m->down, gate_up, batch, (int)m->activation, layer->mlp_out_norm,
+                                  layer->mlp_out_norm_eps, x, out, shm, num_threads);
     }
     free(qkv); free(attn); free(gate_up); free(out);
     return failed;

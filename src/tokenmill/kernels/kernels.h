@@ -7,6 +7,7 @@
  *   dense_matmul.c   bf16_matmul
  *   kernels.c        decode_stack, plan_struct_size
  *   norm.c           rms_norm
+ *   shm_exchange.c   shm_exchange, shm_all_reduce, shm_header_bytes
  * Their shared inline helpers live in simd.h (vector math, fixed-order sums), norm.h (RMSNorm) and
  * attention.h (K/V access, softmax). */
 #ifndef TOKENMILL_KERNELS_H
@@ -66,18 +67,33 @@ typedef struct {
     int64_t rope_local;         /* 1: the layer rotates with decode_stack's local table, 0: the global one */
 } tm_layer_plan;
 
+/* The shared mapping of a tensor-parallel group on one machine (tokenmill/parallel.py SharedExchange). */
+typedef struct {
+    uint8_t *region;            /* headers, then data[2][size][slot_bytes] (shm_exchange.c) */
+    int64_t slot_bytes;
+    int64_t *seq;               /* exchanges made so far: shared by Python and C, advanced by each */
+    const int64_t *peer_pids;   /* processes whose death ends a wait (rank 0: its workers), or NULL */
+    int64_t num_peer_pids;
+    int64_t timeout_us;
+    int64_t *stats;             /* [exchanges, microseconds spent in them] */
+    int32_t rank, size;
+} tm_shm;
+
 /* sizeof of each plan struct, for the ctypes mirror's test: 0 tm_quant_weight, 1 tm_attention_plan,
- * 2 tm_mlp_plan, 3 tm_layer_plan. */
+ * 2 tm_mlp_plan, 3 tm_layer_plan, 4 tm_shm. */
 int64_t plan_struct_size(int which);
 
 /* A decode step through `num_layers` layers: x [batch, hidden] fp32 (hidden: every layer's qkv
  * in_features) updated in place; cos/sin [batch, head_dim] (full-width rotary tables at each row's
  * position; cos_local/sin_local the same for layers with rope_local, else NULL), slots [batch],
- * block_tables [batch, max_blocks], seq_lens [batch]. Returns 1 if out of memory, 2 for a plan this
- * code cannot run (an unknown activation, a local layer without local tables). */
+ * block_tables [batch, max_blocks], seq_lens [batch]. `shm`: this rank's tensor-parallel group (the
+ * layers are its part: o and down row-parallel, their outputs all-reduced), or NULL. Returns 1 if
+ * out of memory, 2 for a plan this code cannot run (an unknown activation, a local layer without
+ * local tables), 3 if an all-reduce failed (shm_exchange's -1 / -2). */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
-                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int num_threads);
+                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const tm_shm *shm,
+                 int num_threads);
 
 /* y [mrows, n] = f(x) W^T (+ residual) for a weight packed by layers/quant.py (quant_matmul.c); f: the
  * `gated` activation (TM_GATE_*), then an RMSNorm with weight norm_w (or NULL). */
@@ -97,6 +113,14 @@ void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t 
  * of every kernel here. generic: force the portable sum (the same bits). */
 void rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out, int generic,
               int num_threads);
+
+/* Tensor-parallel ranks of one machine exchanging through a shared mapping (shm_exchange.c: layout
+ * and protocol). shm_exchange publishes nbytes <= slot_bytes of data and waits for every rank's;
+ * shm_all_reduce sums x [n] (float32, or bfloat16 with bf16 = 1) over the ranks in rank order.
+ * Both return 0, -1 on timeout, -2 if a process in peer_pids died. */
+int32_t shm_exchange(const tm_shm *shm, const uint8_t *data, int64_t nbytes);
+int32_t shm_all_reduce(const tm_shm *shm, void *x, int64_t n, int32_t bf16);
+int64_t shm_header_bytes(void);
 
 /* Decode attention, one query row per request (paged_decode.c): q/out [batch, heads, head_dim] fp32,
  * k/v [num_blocks, block_size, kv_heads, head_dim] (the _f32 / _bf16 cache dtype), block_tables

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import kernels, parallel
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import Embedding
@@ -94,8 +94,12 @@ class DecoderModel(nn.Module):
             ropes["local"] = self.rotary_local(positions)
         plan = self.stack_plan(x, meta)
         if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below, same bits
-            x = kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
-                                     meta.seq_lens_tensor, ropes.get("local"))
+            shm = self.embed_tokens.tp.shm   # (tensor parallelism: the row-parallel all-reduces run in C too)
+            try:
+                x = kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
+                                         meta.seq_lens_tensor, ropes.get("local"), None if shm is None else shm.plan)
+            except kernels.ShmError as e:
+                raise parallel.ParallelError(str(e)) from e
         else:
             for layer in self.layers:
                 x = layer(x, ropes, meta)

@@ -54,9 +54,10 @@ class _Weighted(KernelOp):
 
     def kernel_weight(self) -> QuantWeight | None:
         """The quantized weight the kernels run, for a C plan; None where this layer runs dense or its
-        PyTorch reference (backend "torch"), or sums its output over tensor-parallel ranks (the C
-        stack runs no collectives)."""
-        return self.qweight if self.backend == "auto" and self.cols is None else None
+        PyTorch reference (backend "torch"), or sums its output over tensor-parallel ranks that have
+        no shared mapping to do it in C (ranks on several machines)."""
+        reducible = self.cols is None or self.tp.shm is not None
+        return self.qweight if self.backend == "auto" and reducible else None
 
     def dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b) for a dense weight, in x's dtype: a bf16 CPU weight's few-row products (decode

@@ -22,11 +22,12 @@ import pytest
 from engine_helpers import make_engine
 from test_server import Server, running, wait_for
 
-from tokenmill import parallel
+from tokenmill import LLM, parallel
 from tokenmill.bench.serve import free_port
 from tokenmill.errors import TokenmillError
 from tokenmill.parallel import ParallelError, TensorParallel
 from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 LOGPROB_TOL = 1e-4     # float32 activations: all-reduce order only
 # Quantized weights: the next layer's activation rounding (two int8 planes per group of 32: steps of
@@ -199,6 +200,28 @@ def test_engine_features_under_tp2(tiny_hf_model):
     assert alone[0] == batched
 
 
+def test_structured_output_and_parallel_sampling_under_tp2(tiny_gguf_model):
+    """Through the LLM API (tokenizer, grammar, n > 1): the same outputs on one rank and on two."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = [SamplingParams(max_tokens=40, temperature=0.0,
+                             structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2)]
+    path = str(tiny_gguf_model("llama"))
+
+    def outputs(**kwargs):
+        llm = LLM(path, dtype="float32", threads=1, **kwargs)
+        try:
+            return [[o.text for o in r.outputs] for r in llm.generate(["A person:", "Once upon"], params,
+                                                                         use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+
+    one = outputs()
+    assert one[0][0].lstrip().startswith("{"), one[0][0]   # the grammar ran
+    assert outputs(tensor_parallel_size=2) == one
+
+
 def test_speculation_under_tp2(tiny_hf_model):
     path = tiny_hf_model("llama")
     prompts = [[5, 6, 7, 8] * 6, list(range(40, 70))]
@@ -310,6 +333,12 @@ def test_serve_fails_requests_and_exits_nonzero_when_a_worker_dies(tiny_gguf_mod
 def test_tensor_parallel_size_must_be_positive(tiny_hf_model):
     with pytest.raises(TokenmillError, match="tensor_parallel_size"):
         make_engine(tiny_hf_model("llama"), tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("size", [2, 0])
+def test_pipeline_parallelism_is_refused_with_the_reason(tiny_hf_model, size):
+    with pytest.raises(TokenmillError, match="pipeline parallelism is not supported.*tensor_parallel_size"):
+        make_engine(tiny_hf_model("llama"), pipeline_parallel_size=size)
 
 
 def test_the_flag_reaches_the_engine():

@@ -516,6 +516,9 @@ class EngineConfig:
                                   "(default: PyTorch's, one per core, divided among the ranks)")
     tensor_parallel_size: int = setting(1, "split the model over this many processes (Megatron tensor "
                                         "parallelism over torch.distributed: gloo on CPU)", flags=("-tp",))
+    pipeline_parallel_size: int = setting(1, "layers split over processes: not supported (1 only; on a CPU, "
+                                          "--tensor-parallel-size splits the memory at a lower latency)",
+                                          flags=("-pp",))
     max_model_len: int | None = setting(None, "context limit (default: the model's, capped by the KV pool)")
     block_size: int = setting(16, "tokens per KV-cache block")
     max_num_seqs: int = setting(64, "requests running at once")
@@ -559,6 +562,11 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.pipeline_parallel_size != 1:
+            raise TokenmillError(f"pipeline_parallel_size {self.pipeline_parallel_size!r}: pipeline parallelism is "
+                                 f"not supported (on a CPU a pipeline's stages run one after the other for each "
+                                 f"token; use tensor_parallel_size to split a model's memory, see "
+                                 f"docs/ARCHITECTURE.md)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise TokenmillError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

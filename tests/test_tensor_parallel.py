@@ -23,7 +23,8 @@ from engine_helpers import make_engine
 from test_server import Server, running, wait_for
 
 from tokenmill import LLM, parallel
-from tokenmill.bench.serve import free_port
+from tokenmill.engine import workers
+from tokenmill.engine.workers import free_port
 from tokenmill.errors import TokenmillError
 from tokenmill.parallel import ParallelError, TensorParallel
 from tokenmill.sampling import SamplingParams
@@ -119,8 +120,8 @@ def test_an_engine_whose_heads_cannot_be_spread_is_refused_and_leaves_no_worker(
 
 # ---- TP=2 == TP=1 ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,ftype", [("llama", None), ("qwen3", None), ("gpt2", None), ("llama", "Q4_0"),
-                                        ("llama256", "Q4_K")])
+@pytest.mark.parametrize("kind,ftype", [("llama", None), ("qwen3", None), ("gpt2", None), ("gemma2", None),
+                                        ("mixtral", None), ("llama", "Q4_0"), ("llama256", "Q4_K")])
 def test_tp2_matches_tp1(kind, ftype, tiny_hf_model, tiny_gguf_model):
     path = tiny_hf_model(kind) if ftype is None else tiny_gguf_model(kind, ftype)
     one = run_greedy(make_engine(path, threads=1))
@@ -313,6 +314,35 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_hf_model):
         engine_proc.kill()
 
 
+def test_a_worker_that_dies_while_starting_fails_the_engine_at_once(tiny_hf_model, monkeypatch):
+    monkeypatch.setattr(workers, "WORKER_MODULE", "tokenmill.no_such_module")
+    start = time.monotonic()
+    with pytest.raises(ParallelError, match="rank 1 .* exited with code 1"):
+        tp_engine(tiny_hf_model("llama"))
+    assert time.monotonic() - start < 60   # (the rendezvous itself would wait COLLECTIVE_TIMEOUT_S)
+
+
+def test_an_idle_worker_sleeps(tiny_hf_model):
+    """Between requests a worker waits for the next batch without a time limit and without
+    spinning a core."""
+    engine = tp_engine(tiny_hf_model("llama"))
+    try:
+        run_greedy(engine, PROMPTS[:1], 4)
+        stat = Path(f"/proc/{engine.workers.procs[0].pid}/stat")
+
+        def cpu_seconds() -> float:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        time.sleep(0.5)
+        before = cpu_seconds()
+        time.sleep(2.0)
+        assert cpu_seconds() - before < 0.5
+        assert run_greedy(engine, PROMPTS[:1], 4)[0]   # and it still answers
+    finally:
+        engine.shutdown()
+
+
 def test_serve_fails_requests_and_exits_nonzero_when_a_worker_dies(tiny_gguf_model, tmp_path):
     s = Server([str(tiny_gguf_model("llama")), "--dtype", "float32", "--device", "cpu", "--threads", "1",
                 "--tensor-parallel-size", "2"], tmp_path / "tp.log")
@@ -339,9 +369,3 @@ def test_tensor_parallel_size_must_be_positive(tiny_hf_model):
 def test_pipeline_parallelism_is_refused_with_the_reason(tiny_hf_model, size):
     with pytest.raises(TokenmillError, match="pipeline parallelism is not supported.*tensor_parallel_size"):
         make_engine(tiny_hf_model("llama"), pipeline_parallel_size=size)
-
-
-def test_the_flag_reaches_the_engine():
-    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--help"], capture_output=True,
-                         text=True, timeout=60)
-    assert "--tensor-parallel-size" in out.stdout

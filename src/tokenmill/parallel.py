@@ -8,8 +8,8 @@ KV-head groups, so that a rank's query heads attend to its own KV heads: with 9 
 With fewer KV heads than ranks, each KV head is replicated on `ranks / kv_heads` ranks (as in
 vLLM), which split its query heads. Intermediate and column splits are whole groups of 32 inputs,
 so a quantized weight splits along whole quantization groups (the activation quantization is per
-group too, so each partial product is the one rank 1 would compute; only the summation order of
-the all-reduce differs).
+group too, so each partial product is the one a single rank would compute; only the summation
+order of the all-reduce differs).
 
 A model is built for the ranks that `building()` declares (layers read `current()` in their
 constructors, as vLLM's layers read its parallel state); outside it everything is one rank, so a
@@ -67,7 +67,8 @@ class SharedExchange:
     name once every rank has it mapped (`unlink`). `watch(pids)`: processes whose death ends a wait
     (rank 0 watches its workers; a worker exits by itself when the engine's process is gone)."""
 
-    def __init__(self, path: Path, rank: int, size: int, timeout_s: float):
+    def __init__(self, path: Path, rank: int, size: int, timeout_s: float | None):
+        """`timeout_s`: how long a wait may last (None: as long as it takes)."""
         lib = kernels.load()
         if lib is None:
             raise TokenmillError("tensor parallel: the C kernels (shm_exchange.c) cannot be built here")
@@ -78,10 +79,14 @@ class SharedExchange:
         self.pids = torch.zeros(0, dtype=torch.int64)
         self.stats = torch.zeros(2, dtype=torch.int64)   # exchanges, microseconds in them (C counts)
         self.plan = kernels.ShmPlan(self.region.data_ptr(), SHM_SLOT_BYTES, self.seq.data_ptr(), None, 0,
-                                    int(timeout_s * 1e6), self.stats.data_ptr(), rank, size)
+                                    0 if timeout_s is None else int(timeout_s * 1e6), self.stats.data_ptr(), rank,
+                                    size)
 
     @classmethod
-    def create(cls, path: Path, size: int, timeout_s: float) -> SharedExchange:
+    def create(cls, path: Path, size: int, timeout_s: float | None) -> SharedExchange | None:
+        """Rank 0's mapping, or None where the C kernels cannot be built (the group then uses gloo)."""
+        if kernels.load() is None:
+            return None
         with open(path, "xb") as f:   # zeroed: every rank's sequence number starts at 0
             f.truncate(shm_bytes(size))
         return cls(path, 0, size, timeout_s)
@@ -99,7 +104,7 @@ class SharedExchange:
 
     def check(self, status: int, what: str) -> None:
         if status:
-            why = "did not answer in time" if status == -1 else "died"
+            why = {-1: "did not answer in time", -2: "died"}.get(status, "fell out of step (another size)")
             raise ParallelError(f"tensor parallel {what} failed: a rank {why}")
 
     def exchange(self, data: torch.Tensor) -> list[torch.Tensor]:
@@ -143,7 +148,7 @@ class SharedExchange:
 
 
 def shm_bytes(size: int) -> int:
-    """The shared mapping's size for `size` ranks."""
+    """The shared mapping's size for `size` ranks (the C kernels built)."""
     return size * (kernels.load().shm_header_bytes() + 2 * SHM_SLOT_BYTES)
 
 
@@ -153,13 +158,15 @@ _current = SINGLE
 
 @contextlib.contextmanager
 def building(tp: TensorParallel) -> Iterator[None]:
-    """Build the layers created inside for rank `tp.rank` of `tp.size`."""
+    """Build the layers created inside for rank `tp.rank` of `tp.size` (not nested: one model at a
+    time)."""
     global _current
-    previous, _current = _current, tp
+    assert _current is SINGLE, "parallel.building() is already active"
+    _current = tp
     try:
         yield
     finally:
-        _current = previous
+        _current = SINGLE
 
 
 def current() -> TensorParallel:
@@ -224,7 +231,8 @@ def scaled(r: range, factor: int) -> range:
 
 
 def connect(host: str, port: int, rank: int, size: int, timeout_s: float) -> TensorParallel:
-    """Rank `rank` of a new gloo group of `size` ranks that meet at host:port (rank 0 listens there).
+    """Rank `rank` of a new gloo group of `size` ranks that meet at host:port (rank 0 listens there);
+    `timeout_s` bounds this process's waits in it (the rendezvous and every collective).
 
     The group is this engine's own (a ProcessGroupGloo over its own TCPStore), not torch.distributed's
     default group: a process may run several engines (a test, a server with a draft model), and

@@ -26,7 +26,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
 from tokenmill.config import engine_argv
+from tokenmill.engine.workers import free_port
 from tokenmill.errors import TokenmillError
 
 DEFAULT_NUM_REQUESTS = 32
@@ -196,12 +196,6 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
 
 
 # ---- targets -------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_ready(base_url: str, process: subprocess.Popen | None, timeout: float) -> None:
     """Poll GET /health until 200 (tokenmill and llama-server both answer 503 while loading)."""

@@ -91,7 +91,7 @@ class LLMEngine:
         self.config = config
         tp_size = config.tensor_parallel_size
         threads = config.threads if config.threads is not None or tp_size == 1 else \
-            max(1, torch.get_num_threads() // tp_size)
+            max(1, len(os.sched_getaffinity(0)) // tp_size)
         if threads is not None:
             # PyTorch's intra-op threads; the C kernels share its OpenMP runtime, so their parallel
             # regions in this thread take the same count.
@@ -104,14 +104,14 @@ class LLMEngine:
                 raise TokenmillError(f"tensor_parallel_size {tp_size}: tensor parallelism runs on CPU (gloo) only "
                                      f"so far, not on {self.device}")
             self.workers = TPWorkers(ckpt.path, config, self.dtype, self.device, tp_size, threads)
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
         try:
             self._build(ckpt, config)
+            self.speculator = self._speculator(config.speculative_config, draft)
         except BaseException:
             self.shutdown()
             raise
-        self.eos_token_ids = eos_token_ids
-        self.requests: dict[str, Request] = {}
-        self.speculator = self._speculator(config.speculative_config, draft)
 
     def _build(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig) -> None:
         """The model (this process's rank of it), the KV pool (and the workers' slices of it), the

@@ -98,6 +98,10 @@ class ModelRunner:
             return self.run(input_ids, positions, meta, logits_rows), sampled
         except ParallelError as e:
             raise self.workers.explain(e) from e
+        except Exception as e:   # this rank stopped mid-forward: the others may be waiting in a collective
+            self.workers.broken = True
+            raise ParallelError(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); the ranks "
+                                f"are out of step") from e
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

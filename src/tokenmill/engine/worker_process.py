@@ -14,7 +14,7 @@ from tokenmill import parallel
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import allocate_kv_caches
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.workers import COLLECTIVE_TIMEOUT_S, Rendezvous, WorkerSpec, receive_batch
+from tokenmill.engine.workers import WORKER_TIMEOUT_S, Rendezvous, WorkerSpec, receive_batch
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -37,11 +37,11 @@ def worker_main(rank: int, meet: Rendezvous) -> None:
     rank 0 broadcasts until it sends None. Returns when the engine shut the group down; raises
     ParallelError if the group broke."""
     logging.basicConfig(level=logging.WARNING, format=f"tokenmill-tp{rank} %(levelname)s %(name)s: %(message)s")
-    tp = parallel.connect(meet.host, meet.port, rank, meet.world_size, COLLECTIVE_TIMEOUT_S)
+    tp = parallel.connect(meet.host, meet.port, rank, meet.world_size, WORKER_TIMEOUT_S)
     try:
         spec = parallel.broadcast_object(None, tp)
         if spec.shm is not None:
-            tp = dataclasses.replace(tp, shm=parallel.SharedExchange(spec.shm, rank, tp.size, COLLECTIVE_TIMEOUT_S))
+            tp = dataclasses.replace(tp, shm=parallel.SharedExchange(spec.shm, rank, tp.size, None))
         _serve(tp, spec)
     finally:
         parallel.close(tp)
@@ -54,10 +54,12 @@ def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
     error = model = None
     try:
         model, model_config = load_model(open_checkpoint(spec.checkpoint), spec.dtype, device, False,
-                                         config.quantization, config.max_model_len, False, tp)
+                                         config.quantization, config.max_model_len, config.weight_cache, tp)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     plan = parallel.broadcast_object(None, tp)
+    if plan is None:   # rank 0 failed to build and shut the group down
+        return
     if error is None:
         try:
             kv_heads = parallel.kv_heads_per_rank(model_config.num_heads, model_config.num_kv_heads, tp.size)
@@ -71,12 +73,7 @@ def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
     if error is not None:
         return
     while (batch := receive_batch(tp)) is not None:
-        try:
-            runner.run(*batch)
-        except parallel.ParallelError:
-            raise
-        except Exception:   # the same failure as on rank 0 (same inputs, same code): rank 0 decides
-            logger.exception("a step failed on rank %d", tp.rank)
+        runner.run(*batch)   # (a failure ends this worker: rank 0 cannot tell how far this rank got)
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -56,9 +57,11 @@ from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
 
-# A collective that waits longer than this fails: a hung (not dead) worker ends the engine in
-# bounded time. Loading a part of the model happens before the first collective that waits on it.
+# Rank 0's waits (the rendezvous, every collective: a step's, or the workers' loads) fail past this:
+# a hung (not dead) worker ends the engine in bounded time; a dead one is found at once. Workers wait
+# without limit (an idle engine sends nothing), and exit when the engine's process is gone.
 COLLECTIVE_TIMEOUT_S = 600
+WORKER_TIMEOUT_S = 365 * 24 * 3600   # gloo needs a number
 JOIN_TIMEOUT_S = 10
 LOOPBACK = "127.0.0.1"
 SHM_DIR = "/dev/shm"   # (memory, not disk: the shared mapping's file)
@@ -108,6 +111,7 @@ class KVPlan:
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (a rendezvous's, a local server's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -120,40 +124,63 @@ class TPWorkers:
                  threads: int, env: Mapping[str, str] = os.environ):
         """`env`: where torchrun-style variables may name a rendezvous for ranks started elsewhere."""
         external = Rendezvous.from_env(env)
+        self.procs: list[subprocess.Popen] = []
+        self.broken = False   # a collective failed: the group cannot be used, not even to say goodbye
+        self.broadcast_s = 0.0
         if external is not None:
             meet, rank = external
             if rank != 0 or meet.world_size != size:
                 raise TokenmillError(f"tensor_parallel_size {size} with RANK={rank}, WORLD_SIZE={meet.world_size}: "
                                      f"the engine is rank 0 of tensor_parallel_size ranks; start ranks 1.. with "
                                      f"`tokenmill worker`")
-            self.procs: list[subprocess.Popen] = []
             logger.info("tensor parallel: waiting at %s:%d for ranks 1..%d (`tokenmill worker`)", meet.host,
                         meet.port, size - 1)
+            shm = None
         else:
             meet = Rendezvous(LOOPBACK, free_port(), size)
-            # stdin stays open: a worker exits when it closes (the engine's process died)
-            self.procs = [subprocess.Popen([sys.executable, "-c", f"import {WORKER_MODULE} as w; w.main()",
-                                            str(rank), meet.host, str(meet.port), str(size)], stdin=subprocess.PIPE)
-                          for rank in range(1, size)]
-        # ranks on this machine exchange through shared memory (parallel.SharedExchange)
-        shm = None if external is not None else parallel.SharedExchange.create(
-            Path(SHM_DIR) / f"tokenmill-tp-{os.getpid()}-{meet.port}", size, COLLECTIVE_TIMEOUT_S)
+            # ranks on this machine exchange through shared memory (parallel.SharedExchange)
+            shm = parallel.SharedExchange.create(Path(SHM_DIR) / f"tokenmill-tp-{os.getpid()}-{meet.port}", size,
+                                                 COLLECTIVE_TIMEOUT_S)
         # (also at exit: an engine never shut down stops its workers, closes its group, removes the mapping)
         groups: list[parallel.TensorParallel] = []
-        self._finalizer = weakref.finalize(self, _stop, list(self.procs), groups, shm)
-        self.broadcast_s = 0.0
+        self._finalizer = weakref.finalize(self, _stop, self.procs, groups, shm)
         try:
-            tp = parallel.connect(meet.host, meet.port, 0, size, COLLECTIVE_TIMEOUT_S)
+            if external is None:   # stdin stays open: a worker exits when it closes (the engine's process died)
+                self.procs += [subprocess.Popen([sys.executable, "-c", f"import {WORKER_MODULE} as w; w.main()",
+                                                 str(rank), meet.host, str(meet.port), str(size)],
+                                                stdin=subprocess.PIPE) for rank in range(1, size)]
+            tp = self._connect(meet)
             groups.append(tp)
             spec = WorkerSpec(checkpoint, config, dtype, str(device), threads, None if shm is None else shm.path)
             parallel.broadcast_object(spec, tp)
         except parallel.ParallelError as e:
+            self.broken = True
+            error = self.explain(e)
             self._finalizer()
-            raise self.explain(e) from e
+            raise error from e
+        except BaseException:
+            self._finalizer()
+            raise
         if shm is not None:
             shm.watch([p.pid for p in self.procs])
         self.tp = dataclasses.replace(tp, shm=shm)
         self.closed = False
+
+    def _connect(self, meet: Rendezvous) -> parallel.TensorParallel:
+        """Rank 0 of the group. The rendezvous waits for every rank; while it waits, the local workers
+        are watched, so one that dies while starting ends the wait at once (the waiting thread is
+        left to its timeout)."""
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(_try(parallel.connect, meet.host, meet.port, 0,
+                                                                    meet.world_size, COLLECTIVE_TIMEOUT_S)),
+                                  name="tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            self.check_alive()
+            thread.join(0.05)
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
 
     def check_alive(self) -> None:
         dead = [(rank, p) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
@@ -163,7 +190,8 @@ class TPWorkers:
 
     def explain(self, error: parallel.ParallelError) -> parallel.ParallelError:
         """A clearer error for a failed collective: which worker exited, if one did (waiting briefly
-        for it to be reaped), else `error`."""
+        for it to be reaped), else `error`. The group is broken from then on."""
+        self.broken = True
         deadline = time.monotonic() + EXIT_WAIT_S
         while time.monotonic() < deadline:
             try:
@@ -203,6 +231,8 @@ class TPWorkers:
             return
         self.closed = True
         try:
+            if self.broken:
+                raise parallel.ParallelError("broken")
             self.check_alive()
             parallel.broadcast_object(None, self.tp)
             for p in self.procs:
@@ -230,6 +260,14 @@ def receive_batch(tp: parallel.TensorParallel) -> tuple | None:
     None when the engine shuts the group down."""
     batch = parallel.broadcast_object(None, tp)
     return None if batch is None else _arrays(batch, torch.from_numpy)
+
+
+def _try(fn: Callable, *args: object) -> object:
+    """fn(*args), or the exception it raised (for a thread's result)."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        return e
 
 
 def _exit_reason(code: int) -> str:

@@ -358,8 +358,8 @@ class LayerPlan(ctypes.Structure):
 
 
 class ShmError(RuntimeError):
-    """A shared-memory exchange failed: a rank died or did not answer in time (parallel.py turns it
-    into its ParallelError)."""
+    """decode_stack's all-reduce failed: a rank died, did not answer in time or fell out of step
+    (layers/decoder.py raises it as parallel.ParallelError)."""
 
 
 class ShmPlan(ctypes.Structure):

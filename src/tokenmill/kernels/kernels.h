@@ -74,7 +74,7 @@ typedef struct {
     int64_t *seq;               /* exchanges made so far: shared by Python and C, advanced by each */
     const int64_t *peer_pids;   /* processes whose death ends a wait (rank 0: its workers), or NULL */
     int64_t num_peer_pids;
-    int64_t timeout_us;
+    int64_t timeout_us;         /* 0: wait as long as it takes (a worker: it exits with the engine) */
     int64_t *stats;             /* [exchanges, microseconds spent in them] */
     int32_t rank, size;
 } tm_shm;
@@ -117,7 +117,8 @@ void rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps
 /* Tensor-parallel ranks of one machine exchanging through a shared mapping (shm_exchange.c: layout
  * and protocol). shm_exchange publishes nbytes <= slot_bytes of data and waits for every rank's;
  * shm_all_reduce sums x [n] (float32, or bfloat16 with bf16 = 1) over the ranks in rank order.
- * Both return 0, -1 on timeout, -2 if a process in peer_pids died. */
+ * Both return 0, -1 on timeout, -2 if a process in peer_pids died; shm_all_reduce -3 if a rank sent
+ * another size (out of step). */
 int32_t shm_exchange(const tm_shm *shm, const uint8_t *data, int64_t nbytes);
 int32_t shm_all_reduce(const tm_shm *shm, void *x, int64_t n, int32_t bf16);
 int64_t shm_header_bytes(void);

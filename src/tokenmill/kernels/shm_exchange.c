@@ -16,9 +16,10 @@
  * stats[0] counts the exchanges and stats[1] the microseconds spent in them, waits included (what
  * the ranks' communication costs a step: bench parallel).
  *
- * A wait spins (the peer is usually microseconds away), then yields the core, and every few
- * milliseconds checks that the processes in peer_pids are alive: 0 on success, -1 when timeout_us
- * passed, -2 when a peer died (the caller raises; the group is broken either way).
+ * A wait spins (the peer is usually microseconds away), then yields the core, then (past 1 ms: a
+ * worker idle between requests) sleeps 50 us at a time, and every 10 ms checks that the processes
+ * in peer_pids are alive: 0 on success, -1 when timeout_us passed (0: no limit), -2 when a peer
+ * died (the caller raises; the group is broken either way).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -75,21 +76,27 @@ static int32_t exchange(const tm_shm *shm, const uint8_t *data, int64_t nbytes) 
     headers[shm->rank].bytes[seq & 1] = nbytes;
     atomic_store_explicit(&headers[shm->rank].seq, seq, memory_order_release);
     const int64_t start = now_us();
-    int64_t checked = start;
+    int64_t checked = start, now = start;
     for (int32_t r = 0; r < shm->size; r++) {
         for (int64_t spins = 0; atomic_load_explicit(&headers[r].seq, memory_order_acquire) < seq; spins++) {
             if (spins < (1 << 14)) {
                 cpu_relax();
                 continue;
             }
-            sched_yield();
-            if ((spins & 63) != 0) continue;
-            const int64_t now = now_us();
-            if (now - start > shm->timeout_us) return -1;
-            if (now - checked > 10000) {
-                checked = now;
-                for (int64_t p = 0; p < shm->num_peer_pids; p++)
-                    if (!process_alive(shm->peer_pids[p])) return -2;
+            if ((spins & 63) == 0) {
+                now = now_us();
+                if (shm->timeout_us > 0 && now - start > shm->timeout_us) return -1;
+                if (now - checked > 10000) {
+                    checked = now;
+                    for (int64_t p = 0; p < shm->num_peer_pids; p++)
+                        if (!process_alive(shm->peer_pids[p])) return -2;
+                }
+            }
+            if (now - start < 1000) {
+                sched_yield();
+            } else {   /* a long wait (an idle worker between requests): sleep, do not burn the core */
+                const struct timespec pause = {0, 50000};
+                nanosleep(&pause, NULL);
             }
         }
     }
@@ -116,7 +123,8 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as PyT
 }
 
 /* x [n] (float32, or bfloat16 when bf16) = the sum of every rank's x, added in rank order in float32
- * (bfloat16: rounded once at the end): the same bits on every rank, and as parallel.all_reduce. */
+ * (bfloat16: rounded once at the end): the same bits on every rank. -3 if a rank published another
+ * byte count (the ranks are no longer running the same collectives). */
 int32_t shm_all_reduce(const tm_shm *shm, void *x, int64_t n, int32_t bf16) {
     const int64_t elem = bf16 ? 2 : 4, chunk = shm->slot_bytes / elem;
     for (int64_t start = 0; start < n; start += chunk) {
@@ -124,6 +132,8 @@ int32_t shm_all_reduce(const tm_shm *shm, void *x, int64_t n, int32_t bf16) {
         uint8_t *mine = (uint8_t *)x + start * elem;
         const int32_t failed = shm_exchange(shm, mine, count * elem);
         if (failed) return failed;
+        for (int32_t r = 0; r < shm->size; r++)
+            if (((const shm_header *)shm->region)[r].bytes[*shm->seq & 1] != count * elem) return -3;
         for (int64_t i = 0; i < count; i++) {
             float total = 0.0f;
             for (int32_t r = 0; r < shm->size; r++) {

@@ -79,7 +79,9 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if logits is None or cap is None:   # (None: a tensor-parallel worker, whose part went to rank 0)
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def convert(self, name: str, tensor: Tensor, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:
         """A family's layout changes, on Hugging Face names: (name, tensor) pairs to load."""

@@ -59,7 +59,7 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
     that context: rotary tables of that length, and the rope choices that depend on it (longrope's
     factor set, dynamic NTK) made for it, as llama.cpp makes them for its context size.
     `use_weight_cache`: read quantized weights converted by an earlier load of the same checkpoint,
-    or keep them for the next one (models/weight_cache.py); CPU quantized loads of one rank only.
+    or keep them for the next one (models/weight_cache.py); CPU quantized loads only.
     `tp`: build and fill rank `tp.rank`'s part of the model (tokenmill/parallel.py)."""
     quantization = _check_quantization(quantization, device)
     architecture = ckpt.architecture
@@ -84,8 +84,9 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
 
     model = build()
     entry = None
-    if use_weight_cache and device.type == "cpu" and quantization != "none" and tp.size == 1:
-        entry = weight_cache.entry_path(ckpt.path, cls.__name__, quantization, dtype)
+    if use_weight_cache and device.type == "cpu" and quantization != "none":
+        part = "" if tp.size == 1 else f"-tp{tp.rank}of{tp.size}"   # (each rank caches its own part)
+        entry = weight_cache.entry_path(ckpt.path, cls.__name__ + part, quantization, dtype)
     cached = entry is not None and entry.exists()
     if cached and not weight_cache.load(model, entry, dtype):
         cached, model = False, build()   # (the failed read may have changed it)

@@ -223,6 +223,24 @@ def test_structured_output_and_parallel_sampling_under_tp2(tiny_gguf_model):
     assert outputs(tensor_parallel_size=2) == one
 
 
+def test_draft_model_speculation_under_tp2(tiny_gguf_model):
+    """The draft runs on rank 0 alone (its engine is built with one rank); the target on two."""
+    path = str(tiny_gguf_model("llama"))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def texts(**kwargs):
+        llm = LLM(path, dtype="float32", threads=1, **kwargs)
+        try:
+            out = [r.outputs[0].text for r in llm.generate(["Once upon a time", "The cat sat"], params, use_tqdm=False)]
+            return out, llm.engine.stats().spec_num_draft_tokens
+        finally:
+            llm.engine.shutdown()
+
+    plain, _ = texts()
+    spec, drafted = texts(tensor_parallel_size=2, speculative_config={"model": path, "num_speculative_tokens": 3})
+    assert spec == plain and drafted > 0
+
+
 def test_speculation_under_tp2(tiny_hf_model):
     path = tiny_hf_model("llama")
     prompts = [[5, 6, 7, 8] * 6, list(range(40, 70))]

@@ -69,10 +69,15 @@ def assert_same_run(a, b, tol):
     assert a[0] == b[0]
     worst = max(abs(x - y) for ra, rb in zip(a[1], b[1], strict=True) for x, y in zip(ra, rb, strict=True))
     assert worst <= tol, worst
-    for ra, rb in zip(a[2], b[2], strict=True):   # the top-3 alternatives too
+    # The top-3 alternatives too: the same best token, and every alternative both runs list (a near-tie
+    # may swap the others) within twice the bound: an alternative's log-probability carries its own
+    # logit's rounding and the normalizer's (measured: up to 0.022 on the tiny Q4_K model, 0.0064 for
+    # the sampled tokens).
+    for ra, rb in zip(a[2], b[2], strict=True):
         for ta, tb in zip(ra, rb, strict=True):
-            assert [t for t, _ in ta] == [t for t, _ in tb] or \
-                max(abs(x - y) for (_, x), (_, y) in zip(ta, tb, strict=True)) <= tol
+            top_a, top_b = dict(ta), dict(tb)
+            assert ta[0][0] == tb[0][0]
+            assert all(abs(top_a[t] - top_b[t]) <= 2 * tol for t in top_a.keys() & top_b.keys()), (ta, tb)
 
 
 def tp_engine(path, **kwargs):

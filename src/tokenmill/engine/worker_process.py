@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 
 import torch
 
@@ -14,22 +13,10 @@ from tokenmill import parallel
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import allocate_kv_caches
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.workers import WORKER_TIMEOUT_S, Rendezvous, WorkerSpec, receive_batch
+from tokenmill.engine.workers import WORKER_TIMEOUT_S, Rendezvous, WorkerSpec, on_stdin_closed, receive_batch
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-
-def _exit_with_engine() -> None:
-    """Exit when stdin closes: the engine holds the pipe open for as long as its process lives.
-    (Read from the descriptor, not sys.stdin: a thread blocked in the buffered reader stops the
-    interpreter's own exit.)"""
-    def watch() -> None:
-        while os.read(0, 4096):
-            pass
-        os._exit(1)   # (no cleanup: the group's peer is gone, and the main thread may be inside a collective)
-
-    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
 
 
 def worker_main(rank: int, meet: Rendezvous) -> None:
@@ -80,7 +67,8 @@ def main() -> None:
     """A worker started by TPWorkers on this machine: rank, host, port and world size as arguments;
     it exits when its stdin closes (the engine's process is gone)."""
     rank, host, port, size = sys.argv[1:5]
-    _exit_with_engine()
+    # (no cleanup when the engine is gone: the group's peer is gone, and the main thread may be inside a collective)
+    on_stdin_closed(lambda: os._exit(1))
     try:
         worker_main(int(rank), Rendezvous(host, int(port), int(size)))
     except parallel.ParallelError as e:   # rank 0 is gone: nothing to do but exit

@@ -110,6 +110,19 @@ class KVPlan:
     dtype: torch.dtype
 
 
+def on_stdin_closed(action: Callable[[], None]) -> None:
+    """Run `action` (in a thread of its own) when stdin closes: a process's parent holds the pipe
+    open for as long as it lives, so this is how a child learns that its parent is gone, even by
+    SIGKILL. (Read from the descriptor, not sys.stdin: a thread blocked in the buffered reader
+    stops the interpreter's own exit.)"""
+    def watch() -> None:
+        while os.read(0, 4096):
+            pass
+        action()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (a rendezvous's, a local server's)."""
     with socket.socket() as s:

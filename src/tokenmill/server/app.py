@@ -188,6 +188,32 @@ class InternalErrorMiddleware:
             await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI error bodies for ErrorBody, HTTP errors (404 naming a missed route) and validation errors;
+    a client gone mid-body answered quietly."""
+    @app.exception_handler(ErrorBody)
+    async def _error_body(request: Request, e: ErrorBody) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = not_found_message(request) if e.status_code == 404 else str(e.detail)
+        return JSONResponse(ErrorBody(e.status_code, message).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(ErrorBody(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: ClientDisconnect) -> Response:
+        # The client's choice, not a server fault: one line, no traceback. Nobody reads the answer.
+        client = request.client
+        logger.info("client %s disconnected while sending the body of %s %s",
+                    f"{client.host}:{client.port}" if client else "?", request.method, request.url.path)
+        return Response(status_code=499)
+
+
 def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Callable[[], None] | None = None,
                on_load_error: Callable[[BaseException], None] | None = None,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -213,27 +239,7 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
     app.state.tokenmill = state
     app.add_middleware(InternalErrorMiddleware)
 
-    @app.exception_handler(ErrorBody)
-    async def _error_body(request: Request, e: ErrorBody) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        message = not_found_message(request) if e.status_code == 404 else str(e.detail)
-        return JSONResponse(ErrorBody(e.status_code, message).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(ErrorBody(400, str(e)).body(), status_code=400)
-
-    @app.exception_handler(ClientDisconnect)
-    async def _client_gone(request: Request, e: ClientDisconnect) -> Response:
-        # The client's choice, not a server fault: one line, no traceback. Nobody reads the answer.
-        client = request.client
-        logger.info("client %s disconnected while sending the body of %s %s",
-                    f"{client.host}:{client.port}" if client else "?", request.method, request.url.path)
-        return Response(status_code=499)
+    add_error_handlers(app)
 
     def check_api_key(request: Request) -> None:
         key = config.api_key
@@ -430,20 +436,44 @@ def curl_example(base_url: str, model: str, api_key: bool) -> str:
     return f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
-               log_level: str = "info") -> int:
-    """Serve until SIGINT / SIGTERM. On SIGTERM: stop accepting, let requests in flight finish for
-    up to `shutdown_timeout` seconds, then end the rest with an error (a stream gets an error event
-    and `data: [DONE]`, a non-streaming request a 500), stop the engine, return 0. If the engine
-    dies (a tensor-parallel worker is gone), its requests fail and the server shuts down: return 1."""
+def print_ready(config: ServerConfig, host: str, port: int, detail: str = "") -> None:
     shown_host = f"[{host}]" if ":" in host else host
     base_url = f"http://{shown_host}:{port}"
+    print(f"tokenmill: serving {config.served_model_name!r} at {base_url}{detail} (OpenAI API under /v1). Try:\n"
+          f"  {curl_example(base_url, config.served_model_name, bool(config.api_key))}\n"
+          f"or open {base_url}/ in a browser (a chat playground; the engine, live: {base_url}/engine)",
+          file=sys.stderr, flush=True)
 
+
+def draining_server(app: ASGIApp, host: str, port: int, log_level: str, read_timeout: float, shutdown_timeout: float,
+                    on_drain_timeout: Callable[[], None], on_shutdown: Callable[[], None]) -> DrainingServer:
+    """uvicorn for `app`, with the header/body read timeout and the draining shutdown."""
+    return DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                       http=HeaderTimeoutH11Protocol.with_timeout(read_timeout),
+                       timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S),
+        shutdown_timeout, on_drain_timeout, on_shutdown)
+
+
+def run_until_signal(server: uvicorn.Server) -> None:
+    # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it to the previous handler
+    # once done; a no-op handler there makes that a clean exit instead of death by signal.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
+               log_level: str = "info", announce: bool = True) -> int:
+    """Serve until SIGINT / SIGTERM (`announce`: print where, with a curl example, once ready). On
+    SIGTERM: stop accepting, let requests in flight finish for up to `shutdown_timeout` seconds, then
+    end the rest with an error (a stream gets an error event and `data: [DONE]`, a non-streaming
+    request a 500), stop the engine, return 0. If the engine
+    dies (a tensor-parallel worker is gone), its requests fail and the server shuts down: return 1."""
     def on_ready() -> None:
-        print(f"tokenmill: serving {config.served_model_name!r} at {base_url} (OpenAI API under /v1). Try:\n"
-              f"  {curl_example(base_url, config.served_model_name, bool(config.api_key))}\n"
-              f"or open {base_url}/ in a browser (a chat playground; the engine, live: {base_url}/engine)",
-              file=sys.stderr, flush=True)
+        print_ready(config, host, port)
 
     def on_load_error(error: BaseException) -> None:
         server.should_exit = True
@@ -466,19 +496,10 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
         if engine is not None:
             engine.monitor.close()
 
-    app = create_app(config, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal)
-    server = DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                       http=HeaderTimeoutH11Protocol.with_timeout(config.request_read_timeout),
-                       timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S),
-        shutdown_timeout, drain, end_feeds)
-    # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it to the previous handler
-    # once done; a no-op handler there makes that a clean exit instead of death by signal.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    try:
-        server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    app = create_app(config, on_ready=on_ready if announce else None, on_load_error=on_load_error, on_fatal=on_fatal)
+    server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout, drain,
+                             end_feeds)
+    run_until_signal(server)
     error = app.state.tokenmill.load_error
     if isinstance(error, TokenmillError):
         raise error

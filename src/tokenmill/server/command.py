@@ -4,6 +4,7 @@ when the command runs, so other subcommands start fast)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,53 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-burst", action="store_true",
                    help="let the engine page (/engine) send bursts of generated requests (its \"break it\" panel); "
                    "for a local server: anyone who can reach it can load it")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each a process with its own KV cache, behind this server's one port; "
+                   "requests go where their prompt's prefix is cached, else to the least loaded replica. Without "
+                   "--threads, each replica gets an equal share of the cores")
+    g.add_argument("--kv-transfer-config", type=json_object, default=None,
+                   help="prefill/decode disaggregation, as JSON: '{\"kv_connector\": \"SharedMemoryConnector\"}' "
+                   "runs a prefill replica and a decode replica; a request's prompt is prefilled on the first, its "
+                   "KV handed to the second through shared memory, which generates (long prompts never stall the "
+                   "streams being decoded)")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+KV_CONNECTORS = ("SharedMemoryConnector",)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def replica_roles(data_parallel_size: int, kv_transfer_config: dict[str, Any] | None,
+                  tensor_parallel_size: int) -> list[str]:
+    """One role per replica process ("both": data parallel; "prefill" + "decode"); [] for a single
+    engine in this process."""
+    if data_parallel_size < 1:
+        raise TokenmillError(f"--data-parallel-size: must be >= 1, got {data_parallel_size}")
+    if kv_transfer_config is None:
+        return ["both"] * data_parallel_size if data_parallel_size > 1 else []
+    unknown = sorted(set(kv_transfer_config) - {"kv_connector"})
+    if unknown:
+        raise TokenmillError(f"--kv-transfer-config: unknown key {unknown[0]!r} (known: kv_connector)")
+    connector = kv_transfer_config.get("kv_connector")
+    if connector not in KV_CONNECTORS:
+        raise TokenmillError(f"--kv-transfer-config: kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {json.dumps(connector)}")
+    if data_parallel_size > 1:
+        raise TokenmillError("--kv-transfer-config runs one prefill and one decode replica; it does not combine "
+                             f"with --data-parallel-size {data_parallel_size}")
+    if tensor_parallel_size > 1:
+        raise TokenmillError("--kv-transfer-config: KV transfer between tensor-parallel replicas is not supported "
+                             "(each rank holds a slice of the KV); use --tensor-parallel-size 1")
+    return ["prefill", "decode"]
 
 
 def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -48,6 +95,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from tokenmill.config import EngineConfig
     from tokenmill.hub import default_model_path, resolve_model
     from tokenmill.server.app import run_server
+    from tokenmill.server.frontend import run_frontend
 
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise TokenmillError(f"MODEL: given twice ({args.model_path!r} and --model {args.model!r})")
@@ -63,7 +111,10 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
     # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header
     # (a hub id is looked up, or downloaded, now).
-    EngineConfig(model=model, **engine_args)
+    engine_config = EngineConfig(model=model, **engine_args)
+    roles = replica_roles(args.data_parallel_size, args.kv_transfer_config, engine_config.tensor_parallel_size)
+    if roles and engine_config.threads is None:
+        engine_args = {**engine_args, "threads": max(1, len(os.sched_getaffinity(0)) // len(roles))}
     path = resolve_model(model)
     open_checkpoint(path)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -73,4 +124,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout,
                           allow_burst=args.allow_burst)
+    if roles:
+        return run_frontend(config, roles, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level,
+                            args.log_level)
     return run_server(config, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level)

@@ -1,0 +1,364 @@
+"""One HTTP front end over several engine replicas (server/replicas.py): `tokenmill serve
+--data-parallel-size N`, and prefill/decode disaggregation (`--kv-transfer-config`).
+
+    client --HTTP--> front end --HTTP (loopback)--> replica 0 .. N-1 (each a whole `tokenmill serve`)
+
+Data parallel: each generation request goes to one replica, chosen by server/router.py (prefix
+affinity, else load); the response (a stream included) is relayed as it comes. Everything else
+(/v1/models, /tokenize, the web UI) goes to any replica in rotation. /health is 200 while at least
+one replica is up; /metrics holds every replica's metrics labelled `replica="i"`, their sums as
+`replica="all"`, and the front end's own (routing decisions, replicas up, restarts).
+
+Disaggregated: replica 0 prefills, replica 1 decodes. A generation request goes first to the
+prefill replica as a one-token request that exports its prompt's KV (`kv_transfer_params`:
+{"do_remote_decode": true}, vLLM's field); its answer names the exported KV, and the original
+request then goes to the decode replica with that name, which loads the KV into its own cache and
+computes only the last prompt token onward (engine/kv_transfer.py). Long prompts then never share a
+step with the decode replica's running streams.
+
+A replica that dies is taken out of rotation at once (its requests in flight fail: a stream gets an
+error event, a request still waiting for its answer a 502) and restarted; the other replicas'
+requests never notice. A replica that dies before it was ever up fails the whole server (its log
+says why: a bad flag, a model that does not load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenmill.server.app import (
+    InternalErrorMiddleware,
+    add_error_handlers,
+    draining_server,
+    print_ready,
+    read_body,
+    run_until_signal,
+)
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.protocol import ErrorBody
+from tokenmill.server.replicas import Replica
+from tokenmill.server.router import CacheAwareRouter
+
+logger = logging.getLogger(__name__)
+
+SUPERVISE_INTERVAL_S = 0.2
+HEALTH_TIMEOUT_S = 2.0
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Not relayed either way: hop-by-hop headers, and those the relaying HTTP client sets itself.
+_DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                    "date", "server"}
+# The decode replica generates; the prefill replica's one-token request leaves these out (a
+# min_tokens above 1 would be refused with max_tokens 1; usage options shape a stream it does not send).
+_PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "stream_options", "best_of")
+
+
+def routing_text(body: Any) -> str:
+    """What the router matches prefixes on: a completion's prompt, a chat's messages (as JSON: a
+    conversation that grows keeps its prefix), "" for anything else."""
+    if not isinstance(body, dict):
+        return ""
+    prompt = body.get("prompt", body.get("messages"))
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(prompt, ensure_ascii=False) if prompt is not None else ""
+
+
+class _Relayed(StreamingResponse):
+    """A replica's response relayed as it arrives; `on_close` runs however the relay ends (finished,
+    client gone, or never started)."""
+
+    def __init__(self, upstream: httpx.Response, replica: Replica, on_close: Callable[[], Any]):
+        self.upstream = upstream
+        self.replica = replica
+        self.on_close = on_close
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        super().__init__(self._chunks(), status_code=upstream.status_code, headers=headers)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:   # the replica died mid-response
+            logger.warning("%s failed mid-response: %s", self.replica.name, e)
+            if self.upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                error = ErrorBody(502, f"{self.replica.name} failed while generating this response",
+                                  type_="server_error").body()
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
+            self.on_close()
+
+
+class _Aggregated(Collector):
+    """Replicas' metrics (parsed exposition texts) labelled by replica, plus their sums."""
+
+    def __init__(self, texts: dict[int, str]):
+        self.texts = texts
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        totals: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for replica, text in sorted(self.texts.items()):
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                total = totals.setdefault(family.name, {})
+                for s in family.samples:
+                    merged.add_sample(s.name, {**s.labels, "replica": str(replica)}, s.value)
+                    if not s.name.endswith("_created"):
+                        key = (s.name, tuple(sorted(s.labels.items())))
+                        total[key] = total.get(key, 0.0) + s.value
+        sums = {sample: value for total in totals.values() for (sample, _), value in total.items()}
+        for name, total in totals.items():
+            for (sample, labels), value in total.items():
+                if sample == "tokenmill_prefix_cache_hit_rate":   # a ratio: of the summed counts
+                    queries = sums.get("tokenmill_prefix_cache_queries_total", 0.0)
+                    value = sums.get("tokenmill_prefix_cache_hits_total", 0.0) / queries if queries else 0.0
+                families[name].add_sample(sample, {**dict(labels), "replica": "all"}, value)
+        return list(families.values())
+
+
+class FrontEnd:
+    """The replicas, their supervision, routing and relaying."""
+
+    def __init__(self, config: ServerConfig, replicas: list[Replica], on_ready: Callable[[], None],
+                 on_failed: Callable[[str], None]):
+        self.config = config
+        self.replicas = replicas
+        self.disaggregated = any(r.role != "both" for r in replicas)
+        self.router = CacheAwareRouter(len(replicas))
+        self.on_ready = on_ready
+        self.on_failed = on_failed
+        self.ready = False
+        self.stopping = False
+        self.client: httpx.AsyncClient | None = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.routed = Counter("tokenmill_router_requests", "Generation requests routed, by replica and reason "
+                              "(cache: prefix affinity; load: least loaded; prefill/decode: disaggregated)",
+                              ["replica", "reason"], registry=self.registry)
+        self.replica_up = Gauge("tokenmill_replica_up", "1 while the replica is in rotation", ["replica"],
+                                registry=self.registry)
+        self.restarts = Counter("tokenmill_replica_restarts", "Times the replica died and was restarted",
+                                ["replica"], registry=self.registry)
+        for r in replicas:
+            self.replica_up.labels(str(r.index)).set(0)
+            self.restarts.labels(str(r.index))
+
+    # --- supervision ----------------------------------------------------------------------------
+
+    async def supervise(self) -> None:
+        """Start the replicas, put each in rotation once its /health says ok, restart any that dies."""
+        for r in self.replicas:
+            r.start()
+        while not self.stopping:
+            for r in self.replicas:
+                code = r.exit_code()
+                if code is not None:
+                    if not r.ever_up:
+                        self.on_failed(f"{r.name} exited with code {code} before it was ready (its log above says "
+                                       f"why)")
+                        return
+                    logger.error("%s exited with code %d; out of rotation, restarting it", r.name, code)
+                    r.died()
+                    self.router.forget(r.index)
+                    self.replica_up.labels(str(r.index)).set(0)
+                    self.restarts.labels(str(r.index)).inc()
+                elif r.process is None and time.monotonic() >= r.next_start:
+                    r.start()
+                elif r.process is not None and not r.up and await self._healthy(r):
+                    r.up = r.ever_up = True
+                    r.consecutive_deaths = 0
+                    self.replica_up.labels(str(r.index)).set(1)
+                    if self.ready:
+                        logger.warning("%s is back in rotation", r.name)
+            if not self.ready and all(r.up for r in self.replicas):
+                self.ready = True
+                self.on_ready()
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    async def _healthy(self, replica: Replica) -> bool:
+        try:
+            response = await self.client.get(replica.url + "/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def stop_replicas(self) -> None:
+        self.stopping = True
+        for r in self.replicas:
+            r.terminate()
+
+    # --- routing and relaying -------------------------------------------------------------------
+
+    def in_rotation(self, role: str = "both") -> list[Replica]:
+        return [r for r in self.replicas if r.up and (role == "both" or r.role == role)]
+
+    def _one(self, role: str = "both") -> Replica:
+        candidates = self.in_rotation(role)
+        if not candidates:
+            raise ErrorBody(503, "no replica is ready (starting or restarting); retry later", type_="server_error",
+                            code="unavailable", headers={"Retry-After": "1"})
+        return min(candidates, key=lambda r: (r.in_flight, r.index))
+
+    async def relay(self, replica: Replica, request: Request, body: bytes) -> Response:
+        """Send the request to `replica` and relay its answer."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        upstream_request = self.client.build_request(request.method, replica.url + request.url.path,
+                                                     params=request.query_params, headers=headers, content=body)
+        replica.in_flight += 1
+
+        def done() -> None:
+            replica.in_flight -= 1
+
+        try:
+            upstream = await self.client.send(upstream_request, stream=True)
+        except httpx.HTTPError as e:
+            done()
+            logger.warning("%s did not answer %s %s: %s", replica.name, request.method, request.url.path, e)
+            raise ErrorBody(502, f"{replica.name} did not answer (it may have just died; retry)",
+                            type_="server_error", code="bad_gateway") from None
+        return _Relayed(upstream, replica, done)
+
+    async def generate(self, request: Request) -> Response:
+        body = await read_body(request, self.config.max_body_bytes, self.config.request_read_timeout)
+        try:
+            parsed = json.loads(body)
+        except ValueError:   # the replica's answer names the problem
+            parsed = None
+        if self.disaggregated and isinstance(parsed, dict):
+            return await self._disaggregated(request, parsed)
+        candidates = self.in_rotation()
+        if not candidates:
+            self._one()   # (raises the 503)
+        choice = self.router.choose(routing_text(parsed), {r.index: r.in_flight for r in candidates})
+        self.routed.labels(str(choice.replica), choice.reason).inc()
+        return await self.relay(self.replicas[choice.replica], request, body)
+
+    async def _disaggregated(self, request: Request, body: dict[str, Any]) -> Response:
+        """Prefill on the prefill replica (its KV exported), then the request on the decode replica."""
+        body.pop("kv_transfer_params", None)   # (only the front end says where KV comes from)
+        prefill, decode = self._one("prefill"), self._one("decode")
+        first = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+        first.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        self.routed.labels(str(prefill.index), "prefill").inc()
+        prefill.in_flight += 1
+        try:
+            answer = await self.client.post(prefill.url + request.url.path, json=first, headers=headers)
+        except httpx.HTTPError as e:
+            logger.warning("%s did not answer: %s", prefill.name, e)
+            raise ErrorBody(502, f"{prefill.name} did not answer (it may have just died; retry)",
+                            type_="server_error", code="bad_gateway") from None
+        finally:
+            prefill.in_flight -= 1
+        if answer.status_code != 200:   # the request is bad (400), or the server busy: as the prefill replica says
+            return Response(answer.content, status_code=answer.status_code,
+                            headers={k: v for k, v in answer.headers.items() if k.lower() not in _DROPPED_HEADERS})
+        params = answer.json().get("kv_transfer_params")
+        if params is not None:
+            body["kv_transfer_params"] = params
+        self.routed.labels(str(decode.index), "decode").inc()
+        return await self.relay(decode, request, json.dumps(body).encode())
+
+    async def metrics(self) -> bytes:
+        async def scrape(r: Replica) -> tuple[int, str | None]:
+            try:
+                response = await self.client.get(r.url + "/metrics", timeout=HEALTH_TIMEOUT_S)
+            except httpx.HTTPError:
+                return r.index, None
+            return r.index, response.text if response.status_code == 200 else None
+
+        texts = dict(await asyncio.gather(*(scrape(r) for r in self.in_rotation())))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Aggregated({i: t for i, t in texts.items() if t is not None}))
+        return generate_latest(self.registry) + generate_latest(registry)
+
+
+def create_frontend(front: FrontEnd) -> FastAPI:
+    config = front.config
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        front.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        supervisor = asyncio.ensure_future(front.supervise())
+        yield
+        front.stop_replicas()
+        supervisor.cancel()
+        await asyncio.gather(*(asyncio.to_thread(r.wait, front.replicas[0].shutdown_timeout + 10.0)
+                               for r in front.replicas))
+        await front.client.aclose()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
+    app.add_middleware(InternalErrorMiddleware)
+    add_error_handlers(app)
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, front.generate, methods=["POST"])
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        ok = bool(front.in_rotation()) and not front.stopping
+        replicas = [{"replica": r.index, "role": r.role, "up": r.up, "in_flight": r.in_flight, "restarts": r.restarts,
+                     "pid": r.process.pid if r.process is not None else None} for r in front.replicas]
+        if front.disaggregated:
+            ok = ok and bool(front.in_rotation("prefill")) and bool(front.in_rotation("decode"))
+        return JSONResponse({"status": "ok" if ok else "unavailable", "replicas": replicas},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await front.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "HEAD"])
+    async def anything_else(request: Request, path: str) -> Response:
+        body = await read_body(request, config.max_body_bytes, config.request_read_timeout)
+        return await front.relay(front._one("decode" if front.disaggregated else "both"), request, body)
+
+    return app
+
+
+def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, shutdown_timeout: float,
+                 log_level: str, replica_log_level: str) -> int:
+    """Serve `config` with one replica per entry of `roles` ("both": data parallel; "prefill" +
+    "decode": disaggregated) until SIGINT / SIGTERM, which drains the replicas. Returns 1 if a
+    replica never came up."""
+    failure: list[str] = []
+
+    def on_ready() -> None:
+        what = (f"{len(roles)} replicas" if not front.disaggregated else "a prefill and a decode replica")
+        print_ready(config, host, port, f" ({what})")
+
+    def on_failed(message: str) -> None:
+        logger.error("%s; shutting down", message)
+        failure.append(message)
+        server.should_exit = True
+
+    replicas = [Replica(i, config, role, shutdown_timeout, replica_log_level) for i, role in enumerate(roles)]
+    front = FrontEnd(config, replicas, on_ready, on_failed)
+    app = create_frontend(front)
+    # The replicas drain their own requests (SIGTERM at the start of the shutdown); the front end's
+    # handlers end as their relays do.
+    server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout,
+                             lambda: None, front.stop_replicas)
+    run_until_signal(server)
+    return 1 if failure or not server.started else 0

@@ -1,0 +1,278 @@
+"""Data parallelism: `tokenmill serve --data-parallel-size 2` (two engine replicas behind one front
+end, server/frontend.py) answers exactly as one engine does, routes a repeated prefix to the
+replica that cached it (seen in the replicas' own metrics), survives a replica's death, and leaves
+no process behind. The router's policy and the metrics' aggregation are also tested alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from test_server import Server, running
+
+from tokenmill.errors import TokenmillError
+from tokenmill.server.command import replica_roles
+from tokenmill.server.frontend import _Aggregated, routing_text
+from tokenmill.server.router import CHUNK_CHARS, CacheAwareRouter, chunk_keys
+
+FLAGS = ["--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--num-kv-blocks", "96"]
+
+
+# --- the router alone ------------------------------------------------------------------------------
+
+def test_chunk_keys_chain_the_whole_prefix():
+    a = chunk_keys("x" * CHUNK_CHARS + "y" * CHUNK_CHARS + "tail")
+    b = chunk_keys("x" * CHUNK_CHARS + "z" * CHUNK_CHARS)
+    assert len(a) == 2 and len(chunk_keys("x" * (CHUNK_CHARS - 1))) == 0
+    assert a[0] == b[0] and a[1] != b[1]
+    # the key of a chunk depends on what came before it, not only on its own text
+    assert chunk_keys("q" * CHUNK_CHARS + "y" * CHUNK_CHARS)[1] != a[1]
+
+
+def test_router_prefers_the_replica_holding_the_prefix():
+    router = CacheAwareRouter(2)
+    shared = "system prompt " * 20
+    first = router.choose(shared + "question one", {0: 0, 1: 0})
+    assert first.reason == "load"
+    other = 1 - first.replica
+    # the other replica is now the less loaded one, but the prefix is cached where the first went
+    second = router.choose(shared + "question two", {first.replica: 1, other: 0})
+    assert (second.replica, second.reason) == (first.replica, "cache")
+    assert second.matched_chars >= len(shared) - CHUNK_CHARS
+    # an unrelated prompt goes by load
+    assert router.choose("something else entirely " * 5, {first.replica: 2, other: 0}) .replica == other
+
+
+def test_router_gives_way_to_load_when_out_of_balance():
+    router = CacheAwareRouter(2, balance_abs=4, balance_rel=1.5)
+    shared = "a long shared prefix " * 20
+    home = router.choose(shared, {0: 0, 1: 0}).replica
+    away = 1 - home
+    assert router.choose(shared + "1", {home: 4, away: 0}).replica == home   # 4 - 0 is not > 4
+    busy = router.choose(shared + "2", {home: 9, away: 2})
+    assert (busy.replica, busy.reason) == (away, "load")
+    router.forget(home)   # a restarted replica's cache is empty
+    assert router.indexes[home].match(chunk_keys(shared)) == 0
+
+
+def test_router_index_is_bounded_lru():
+    router = CacheAwareRouter(1, max_entries=4)
+    router.choose("a" * CHUNK_CHARS * 3, {0: 0})
+    router.choose("b" * CHUNK_CHARS * 3, {0: 0})
+    assert len(router.indexes[0].entries) == 4
+    assert router.indexes[0].match(chunk_keys("b" * CHUNK_CHARS * 3)) == 3
+    assert router.indexes[0].match(chunk_keys("a" * CHUNK_CHARS * 3)) == 0   # its head was evicted
+
+
+def test_routing_text():
+    assert routing_text({"prompt": "hello"}) == "hello"
+    assert routing_text({"prompt": [1, 2, 3]}) == "[1, 2, 3]"
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    longer = messages + [{"role": "assistant", "content": "a"}]
+    assert routing_text({"messages": longer}).startswith(routing_text({"messages": messages})[:-1])
+    assert routing_text("not a dict") == routing_text({}) == ""
+
+
+def test_aggregated_metrics_label_replicas_and_sum():
+    def text(hits: float, queries: float, running: float) -> str:
+        return (f"# TYPE tokenmill_prefix_cache_hits counter\ntokenmill_prefix_cache_hits_total {hits}\n"
+                f"# TYPE tokenmill_prefix_cache_queries counter\ntokenmill_prefix_cache_queries_total {queries}\n"
+                f"# TYPE tokenmill_prefix_cache_hit_rate gauge\ntokenmill_prefix_cache_hit_rate "
+                f"{hits / queries}\n# TYPE tokenmill_num_requests_running gauge\n"
+                f"tokenmill_num_requests_running {running}\n")
+
+    samples = {(s.name, s.labels["replica"]): s.value
+               for family in _Aggregated({0: text(10, 100, 1), 1: text(30, 50, 2)}).collect()
+               for s in family.samples}
+    assert samples[("tokenmill_prefix_cache_hits_total", "0")] == 10
+    assert samples[("tokenmill_prefix_cache_hits_total", "all")] == 40
+    assert samples[("tokenmill_num_requests_running", "all")] == 3
+    assert samples[("tokenmill_prefix_cache_hit_rate", "1")] == pytest.approx(0.6)
+    assert samples[("tokenmill_prefix_cache_hit_rate", "all")] == pytest.approx(40 / 150)   # not 0.1 + 0.6
+
+
+def test_replica_roles_and_refusals():
+    assert replica_roles(1, None, 1) == []
+    assert replica_roles(3, None, 1) == ["both"] * 3
+    assert replica_roles(1, {"kv_connector": "SharedMemoryConnector"}, 1) == ["prefill", "decode"]
+    for dp, config, tp, words in [(0, None, 1, "--data-parallel-size"), (1, {"kv_connector": "Nixl"}, 1, "one of"),
+                                  (1, {"kv_connector": "SharedMemoryConnector", "x": 1}, 1, "unknown key 'x'"),
+                                  (2, {"kv_connector": "SharedMemoryConnector"}, 1, "does not combine"),
+                                  (1, {"kv_connector": "SharedMemoryConnector"}, 2, "tensor-parallel")]:
+        with pytest.raises(TokenmillError, match=words):
+            replica_roles(dp, config, tp)
+
+
+# --- two replicas, run for real ----------------------------------------------------------------------
+
+def labelled(base: str) -> dict[tuple[str, str], float]:
+    """/metrics samples by (name with its labels but replica, replica)."""
+    out = {}
+    for m in re.finditer(r"^(tokenmill_[^\s{]+)(?:\{([^}]*)\})? (\S+)$", httpx.get(base + "/metrics").text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        replica = labels.pop("replica", "")
+        name = m.group(1) + "".join(f",{k}={v}" for k, v in sorted(labels.items()))
+        out[(name, replica)] = float(m.group(3))
+    return out
+
+
+def health(base: str) -> dict:
+    return httpx.get(base + "/health", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def servers(default_gguf_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("dp")
+    dp = Server([str(default_gguf_path), *FLAGS, "--data-parallel-size", "2"], logs / "dp2.log")
+    single = Server([str(default_gguf_path), *FLAGS], logs / "dp1.log")
+    with running(dp, None), running(single, None):
+        yield dp, single
+
+
+def _answers(base: str, model: str) -> list:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    out = []
+    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]:
+        out.append(client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0).choices[0].text)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name three colours."}],
+                                          max_tokens=24, temperature=0)
+    out.append(chat.choices[0].message.content)
+    stream = client.completions.create(model=model, prompt="Water boils at", max_tokens=16, temperature=0,
+                                       stream=True)
+    out.append("".join(c.choices[0].text for c in stream if c.choices))
+    seeded = client.completions.create(model=model, prompt="A list of fruits:", max_tokens=16, temperature=0.9,
+                                       seed=7, n=2)
+    out.append(sorted(c.text for c in seeded.choices))
+    return out
+
+
+@pytest.mark.slow
+def test_dp2_answers_equal_dp1(servers, default_gguf_path):
+    dp, single = servers
+    model = default_gguf_path.name
+    assert health(dp.base)["status"] == "ok" and len(health(dp.base)["replicas"]) == 2
+    assert _answers(dp.base, model) == _answers(single.base, model)
+
+
+@pytest.mark.slow
+def test_repeated_prefix_goes_to_the_replica_that_cached_it(servers, default_gguf_path):
+    dp, _ = servers
+    client = openai.OpenAI(base_url=dp.base + "/v1", api_key="none", max_retries=0)
+    prefix = f"Session {uuid.uuid4().hex}. " + "You are a careful assistant who answers in one short sentence. " * 6
+    before = labelled(dp.base)
+    for question in ["What is 2 + 2?", "What colour is the sky?", "Who wrote Hamlet?", "Where is Peru?"]:
+        client.completions.create(model=default_gguf_path.name, prompt=prefix + question, max_tokens=4,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    after = labelled(dp.base)
+
+    def delta(name: str, replica: str) -> float:
+        return after.get((name, replica), 0.0) - before.get((name, replica), 0.0)
+
+    routed = {r: {reason: delta(f"tokenmill_router_requests_total,reason={reason}", r) for reason in ("cache", "load")}
+              for r in ("0", "1")}
+    home = max(routed, key=lambda r: sum(routed[r].values()))
+    away = "1" if home == "0" else "0"
+    # the first went by load (nothing cached anywhere), the three others followed it by affinity
+    assert routed[home] == {"cache": 3, "load": 1} and routed[away] == {"cache": 0, "load": 0}
+    # and the replicas' own engines agree: the home replica served 4 requests and found the prefix cached
+    assert delta("tokenmill_requests_total,status=length", home) == 4
+    assert delta("tokenmill_requests_total,status=length", away) == 0
+    assert delta("tokenmill_prefix_cache_hits_total", home) >= 3 * 64   # (at least 4 blocks of 16, 3 times)
+    assert delta("tokenmill_prefix_cache_hits_total", away) == 0
+    total = delta("tokenmill_prefix_cache_hits_total", "all")
+    assert total == delta("tokenmill_prefix_cache_hits_total", home)
+
+
+def _stream_text(base: str, model: str, prompt: str, max_tokens: int, started: threading.Event) -> tuple[str, str]:
+    """(text, how it ended: "done", or the error event's message)."""
+    text = []
+    with httpx.stream("POST", base + "/v1/completions", timeout=120,
+                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return "".join(text), "done"
+            if line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return "".join(text), chunk["error"]["message"]
+                text.append(chunk["choices"][0]["text"])
+                started.set()
+    return "".join(text), "cut"
+
+
+@pytest.mark.slow
+def test_a_dead_replica_is_restarted_and_the_other_replicas_requests_finish(servers, default_gguf_path):
+    dp, _ = servers
+    model = default_gguf_path.name
+    with ThreadPoolExecutor(2) as pool:
+        events = [threading.Event(), threading.Event()]
+        futures = [pool.submit(_stream_text, dp.base, model, f"Story number {i}: it was a dark and stormy night",
+                               200, events[i]) for i in range(2)]
+        for e in events:
+            assert e.wait(60)
+        replicas = health(dp.base)["replicas"]
+        assert [r["in_flight"] for r in replicas] == [1, 1]   # one stream each (by load: nothing shared)
+        victim = replicas[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futures]
+    # the victim's stream ends with an error event, promptly; the other one gets all its tokens
+    endings = sorted(how for _, how in results)
+    assert endings[0] == "done" and "replica 0 failed" in endings[1], endings
+    # meanwhile the front end keeps answering, on the live replica
+    client = openai.OpenAI(base_url=dp.base + "/v1", api_key="none", max_retries=0)
+    assert client.completions.create(model=model, prompt="Hello", max_tokens=4).choices[0].text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = health(dp.base)["replicas"][0]
+        if state["up"] and state["restarts"] == 1:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"replica 0 was not restarted: {health(dp.base)}")
+    assert state["pid"] != victim["pid"]
+    assert labelled(dp.base)[("tokenmill_replica_restarts_total", "0")] == 1
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_front_end_killed_leaves_no_replica(default_gguf_path, tmp_path):
+    s = Server([str(default_gguf_path), *FLAGS, "-dp", "2"], tmp_path / "dp.log")
+    with running(s, None):
+        pids = [r["pid"] for r in health(s.base)["replicas"]]
+        s.proc.kill()
+        s.proc.wait()
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids)
+
+
+def test_a_replica_that_cannot_load_fails_the_server(default_gguf_path, tmp_path):
+    # passes the flag checks, fails in the replicas' engines: the model's context is 8192
+    s = Server([str(default_gguf_path), "--max-model-len", "100000", "-dp", "2"], tmp_path / "bad.log")
+    try:
+        code = s.proc.wait(120)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert code == 1
+    log = s.log()
+    assert "exceeds the model's context length" in log and "before it was ready" in log

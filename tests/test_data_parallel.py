@@ -19,6 +19,7 @@ import openai
 import pytest
 from test_server import Server, running
 
+from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.server.command import replica_roles
 from tokenmill.server.frontend import _Aggregated, routing_text
@@ -101,15 +102,24 @@ def test_aggregated_metrics_label_replicas_and_sum():
 
 
 def test_replica_roles_and_refusals():
-    assert replica_roles(1, None, 1) == []
-    assert replica_roles(3, None, 1) == ["both"] * 3
-    assert replica_roles(1, {"kv_connector": "SharedMemoryConnector"}, 1) == ["prefill", "decode"]
-    for dp, config, tp, words in [(0, None, 1, "--data-parallel-size"), (1, {"kv_connector": "Nixl"}, 1, "one of"),
-                                  (1, {"kv_connector": "SharedMemoryConnector", "x": 1}, 1, "unknown key 'x'"),
-                                  (2, {"kv_connector": "SharedMemoryConnector"}, 1, "does not combine"),
-                                  (1, {"kv_connector": "SharedMemoryConnector"}, 2, "tensor-parallel")]:
+    kv = {"kv_connector": "SharedMemoryConnector"}
+    assert replica_roles(1, EngineConfig()) == []
+    assert replica_roles(3, EngineConfig()) == ["both"] * 3
+    assert replica_roles(1, EngineConfig(kv_transfer_config=kv)) == ["prefill", "decode"]
+    # an engine in one role is a single server (another proxy pairs it), or its replicas
+    assert replica_roles(1, EngineConfig(kv_transfer_config={**kv, "kv_role": "kv_consumer"})) == []
+    assert replica_roles(2, EngineConfig(kv_transfer_config={**kv, "kv_role": "kv_producer"})) == ["both"] * 2
+    with pytest.raises(TokenmillError, match="--data-parallel-size"):
+        replica_roles(0, EngineConfig())
+    with pytest.raises(TokenmillError, match="does not combine"):
+        replica_roles(2, EngineConfig(kv_transfer_config=kv))
+    for config, words in [({"kv_connector": "Nixl"}, "is not one of"), ({**kv, "x": 1}, "unknown key.*'x'"),
+                          ({**kv, "kv_role": "kv_both"}, "kv_role"), ({}, "kv_connector is required"),
+                          ("{not json", "not a JSON object")]:
         with pytest.raises(TokenmillError, match=words):
-            replica_roles(dp, config, tp)
+            EngineConfig(kv_transfer_config=config)
+    with pytest.raises(TokenmillError, match="tensor_parallel_size"):
+        EngineConfig(kv_transfer_config=kv, tensor_parallel_size=2)
 
 
 # --- two replicas, run for real ----------------------------------------------------------------------

@@ -462,19 +462,7 @@ class SpeculativeConfig:
         """From a dict (the Python API) or its JSON text (the command line)."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise TokenmillError(f"speculative_config: not a JSON object ({e})") from e
-        if not isinstance(value, Mapping):
-            raise TokenmillError(f"speculative_config: expected a dict (or its JSON text), got {value!r:.60}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise TokenmillError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} (known: "
-                                 f"{', '.join(sorted(known))})")
-        values = dict(value)
+        values = _config_dict("speculative_config", value, cls)
         if "method" not in values:
             if values.get("model") is None:
                 raise TokenmillError("speculative_config: give a method (ngram) or a draft model")
@@ -482,6 +470,58 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in values:
             raise TokenmillError("speculative_config: num_speculative_tokens is required")
         return cls(**values)
+
+
+KV_CONNECTORS = ("SharedMemoryConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (engine/kv_transfer.py), vLLM's `kv_transfer_config` dict.
+
+    kv_connector: how K/V travels (SharedMemoryConnector: files in /dev/shm, one machine).
+    kv_role: kv_producer (prefills and exports a request's prompt K/V when the request asks, with
+    kv_transfer_params {"do_remote_decode": true}) or kv_consumer (loads it, given
+    {"remote_kv": NAME}). Without a role, `tokenmill serve` runs one engine of each behind its
+    front end (server/frontend.py)."""
+
+    kv_connector: str
+    kv_role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise TokenmillError(f"kv_transfer_config.kv_connector: {self.kv_connector!r} is not one of "
+                                 f"{', '.join(KV_CONNECTORS)}")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise TokenmillError(f"kv_transfer_config.kv_role: {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | Mapping[str, Any] | str) -> KVTransferConfig:
+        if isinstance(value, KVTransferConfig):
+            return value
+        values = _config_dict("kv_transfer_config", value, cls)
+        if "kv_connector" not in values:
+            raise TokenmillError(f"kv_transfer_config: kv_connector is required ({', '.join(KV_CONNECTORS)})")
+        return cls(**values)
+
+
+def _config_dict(where: str, value: Mapping[str, Any] | str, cls: type) -> dict[str, Any]:
+    """A settings dict given as a dict (the Python API) or its JSON text (the command line), with
+    only `cls`'s field names as keys."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise TokenmillError(f"{where}: not a JSON object ({e})") from e
+    if not isinstance(value, Mapping):
+        raise TokenmillError(f"{where}: expected a dict (or its JSON text), got {value!r:.60}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise TokenmillError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (known: "
+                             f"{', '.join(sorted(known))})")
+    return dict(value)
 
 
 def setting(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
@@ -544,6 +584,11 @@ class EngineConfig:
         "lookup; prompt_lookup_min / prompt_lookup_max bound the n-gram) or {\"model\": DRAFT, "
         "\"num_speculative_tokens\": 4} (a draft model with the same tokenizer; quantization: the draft's); "
         "disable_by_batch_size: off when more requests run")
+    kv_transfer_config: KVTransferConfig | dict | str | None = setting(
+        None, "prefill/decode disaggregation, as JSON: {\"kv_connector\": \"SharedMemoryConnector\"} (`serve` runs "
+        "a prefill engine and a decode engine behind one port; a prompt is prefilled on the first and its K/V "
+        "handed to the second through shared memory), or with \"kv_role\": kv_producer | kv_consumer, one engine "
+        "in that role (vLLM's kv_transfer_params on requests)")
     show_progress: bool = setting(False, "progress bars while loading", cli=False)
 
     def __post_init__(self) -> None:
@@ -574,6 +619,11 @@ class EngineConfig:
                                  f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+            if self.tensor_parallel_size > 1:
+                raise TokenmillError("kv_transfer_config: K/V transfer with tensor_parallel_size > 1 is not supported "
+                                     "(each rank holds a slice of the K/V)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
                                  f"{', '.join(ATTENTION_BACKENDS)}")

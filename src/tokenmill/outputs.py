@@ -56,6 +56,7 @@ class RequestOutput:
     error: str | None = None      # set when the request failed: a sample ended with finish_reason "error"
                                   # and its siblings were aborted (other requests are not affected)
     metrics: RequestMetrics | None = None   # with speculative decoding: its proposals and acceptance
+    kv_transfer_params: dict | None = None  # a K/V producer's: {"remote_kv": NAME}, the prompt's exported K/V
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,7 @@ from tokenmill.config import (
 )
 from tokenmill.engine.grammar import COMPLETE, GrammarCompiler
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
+from tokenmill.engine.kv_transfer import KVExporter, LoadedKV, check_loaded, read_kv, write_kv
 from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
@@ -81,6 +82,9 @@ class EngineStats:
     spec_num_drafts: int = 0           # request-steps that verified at least one proposed token
     spec_num_draft_tokens: int = 0     # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of which accepted
+    kv_transfer_role: str | None = None   # kv_producer | kv_consumer (prefill/decode disaggregation); None: off
+    kv_transfer_exports: int = 0          # requests whose prompt K/V this engine exported
+    kv_transfer_loaded_tokens: int = 0    # prompt tokens whose K/V this engine received instead of computing
 
 
 class LLMEngine:
@@ -147,6 +151,13 @@ class LLMEngine:
             self.workers.ready(KVPlan(num_blocks, config.block_size, self.kv_dtype))
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device,
                                   config.attention_backend, self.workers)
+        self.kv_role = config.kv_transfer_config.kv_role if config.kv_transfer_config is not None else None
+        if self.kv_role is not None and self.kv.sliding_window is not None:
+            raise TokenmillError("kv_transfer_config: this model's layers all slide, so a prompt's early blocks are "
+                                 "given back as it is prefilled; K/V transfer is not supported for it")
+        self.kv_exporter = KVExporter() if self.kv_role == "kv_producer" else None
+        self.num_kv_exports = 0
+        self.num_kv_loaded_tokens = 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         # Compiles structured-output constraints. Set by load_engine: it needs the tokenizer, which
@@ -216,14 +227,35 @@ class LLMEngine:
                 raise TokenmillError("structured_outputs: this engine was built without a tokenizer (use "
                                      "load_engine), so it cannot compile constraints")
             grammar = self.grammars.matcher(params.structured_outputs)
+        export, loaded = self._kv_transfer(params.kv_transfer_params, prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens,
                           frozenset() if params.ignore_eos else self.eos_token_ids, priority=priority,
-                          grammar=grammar)
+                          grammar=grammar, kv_export=export, kv_load=loaded)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _kv_transfer(self, transfer: dict | None, prompt_token_ids: list[int]) -> tuple[bool, LoadedKV | None]:
+        """A request's kv_transfer_params: (export its prompt's K/V?, the K/V it brings)."""
+        if transfer is None or transfer == {"do_remote_decode": False}:
+            return False, None
+        wanted = "kv_consumer" if "remote_kv" in transfer else "kv_producer"
+        if self.kv_role != wanted:
+            raise SamplingParamsError("kv_transfer_params", f"this engine is not a {wanted} (start it with "
+                                      f"kv_transfer_config {{\"kv_connector\": ..., \"kv_role\": \"{wanted}\"}})")
+        if wanted == "kv_producer":
+            return True, None
+        loaded = read_kv(transfer["remote_kv"])
+        if loaded is None:   # collected already (by an earlier sample of the same request) or expired
+            logger.debug("kv_transfer_params: %s is gone; computing the prompt", transfer["remote_kv"])
+            return False, None
+        problem = check_loaded(loaded, prompt_token_ids, self.kv_caches)
+        if problem is not None:
+            logger.warning("kv_transfer_params: not using the K/V received (%s); computing the prompt", problem)
+            return False, None
+        return False, loaded
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that got a token, finished or failed in it.
@@ -241,6 +273,9 @@ class LLMEngine:
         if not scheduled:
             self._end_speculation({})
             return []
+        for request, loaded, start, end in schedule.loads:
+            write_kv(self.kv_caches, request.block_ids, self.config.block_size, loaded, start, end)
+            self.num_kv_loaded_tokens += end - start
         rows = scheduled_rows(scheduled)
         generator_states = [(r.generator, r.generator.get_state()) for r, n in scheduled
                             if r.generator is not None and r.num_computed_tokens + n == r.num_tokens]   # samples now
@@ -273,6 +308,11 @@ class LLMEngine:
                 request.num_computed_tokens += n
                 if request.spec_token_ids:
                     self.kv.truncate(request)
+                if request.kv_export and request.kv_exported is None and \
+                        request.num_computed_tokens >= len(request.prompt_token_ids):
+                    request.kv_exported = self.kv_exporter.export(self.kv_caches, request.block_ids,
+                                                                  self.config.block_size, request.prompt_token_ids)
+                    self.num_kv_exports += 1
                 # (accepted proposals are computed before they are appended below)
                 request.num_forced_pending = max(0, min(request.num_forced_pending,
                                                         request.num_tokens - request.num_computed_tokens))
@@ -410,5 +450,7 @@ class LLMEngine:
                         spec_num_accepted_tokens=counts.num_accepted_tokens)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_blocks,
                            self.pool.num_free, self.kv.prefix_queries, self.kv.prefix_hits,
-                           self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, **spec)
+                           self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, **spec,
+                           kv_transfer_role=self.kv_role, kv_transfer_exports=self.num_kv_exports,
+                           kv_transfer_loaded_tokens=self.num_kv_loaded_tokens)
 

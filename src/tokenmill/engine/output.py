@@ -112,6 +112,8 @@ class OutputProcessor:
         sample = parent.samples[request.request_id]
         if sample.output.index == 0:
             parent.output.num_cached_tokens = request.num_cached_tokens
+            if request.kv_exported is not None:
+                parent.output.kv_transfer_params = {"remote_kv": request.kv_exported}
         if self.engine.speculator is not None:
             sample.spec = request.spec
             states = [s.spec for s in parent.samples.values() if s.spec is not None]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.grammar import GrammarMatcher
+from tokenmill.engine.kv_transfer import LoadedKV
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling import SamplingParams
 
@@ -69,6 +70,10 @@ class Request:
     spec_noise: torch.Tensor | None = None  # [rows, V] the sampler's noise for its rows (sampled requests)
     spec_noise_states: list[torch.Tensor] | None = None   # its generator's state before each row, and after
     spec: SpecState = field(default_factory=SpecState)   # its acceptance so far (adaptive k)
+    # Prefill/decode disaggregation (engine/kv_transfer.py):
+    kv_export: bool = False                # a producer's: export the prompt's K/V once computed
+    kv_exported: str | None = None         # ... under this name
+    kv_load: LoadedKV | None = None        # a consumer's: K/V of a prompt prefix, written in at admission
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 

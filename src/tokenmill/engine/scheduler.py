@@ -16,9 +16,10 @@ is lost or generated twice).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.kv_transfer import LoadedKV
 from tokenmill.engine.request import Request, RequestStatus
 
 
@@ -26,6 +27,9 @@ from tokenmill.engine.request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]]   # (request, num_scheduled_tokens), in batch order
     preempted: list[Request]
+    # (request, its received K/V, start, end): positions [start, end) to write into its new blocks
+    # before the step runs (engine/kv_transfer.py); those tokens count as computed
+    loads: list[tuple[Request, LoadedKV, int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -83,28 +87,38 @@ class Scheduler:
                 scheduled.append((request, n))
                 budget -= n
                 i += 1
+        loads: list[tuple[Request, LoadedKV, int, int]] = []
         if not preempted:
-            self._admit(scheduled, budget)
-        return SchedulerOutput(scheduled, preempted)
+            self._admit(scheduled, loads, budget)
+        return SchedulerOutput(scheduled, preempted, loads)
 
-    def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+    def _admit(self, scheduled: list[tuple[Request, int]], loads: list[tuple[Request, LoadedKV, int, int]],
+               budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            n = request.num_tokens - num_cached
+            # Received K/V beyond the cached prefix counts as computed too (the last token never: it
+            # gives the logits of the first sampled token).
+            num_known = num_cached
+            if request.kv_load is not None:
+                num_known = max(num_cached, min(request.kv_load.num_tokens, request.num_tokens - 1))
+            n = request.num_tokens - num_known
             # Unchunked, a prompt waits for a step with room for all of it; one longer than any
             # step's budget (a long prompt, or prompt + output after a preemption) is chunked anyway.
             if n > budget and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(request, n, cached):
+            if not self.kv.allocate_slots(request, num_known - num_cached + n, cached):
                 break
             self.waiting.pop(0)
             # Counted here, not per lookup: a request retried for many steps counts once.
             self.kv.prefix_queries += request.num_tokens
             self.kv.prefix_hits += num_cached
-            request.num_computed_tokens = num_cached
+            if num_known > num_cached:
+                loads.append((request, request.kv_load, num_cached, num_known))
+            request.kv_load = None   # (used once: a preempted request recomputes)
+            request.num_computed_tokens = num_known
             request.num_cached_blocks = len(cached)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.errors import SamplingParamsError
 from tokenmill.sampling.structured import StructuredOutputsParams
@@ -125,6 +126,11 @@ class SamplingParams:
     a valid output are never sampled, and the request ends with "stop" once the output is
     complete. `min_tokens` cannot be combined with it: the grammar decides where the output ends."""
 
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (vLLM's field; engine/kv_transfer.py), for an engine started
+    with a kv_transfer_config: {"do_remote_decode": true} on a producer (export the prompt's K/V;
+    the output's kv_transfer_params names it), {"remote_kv": NAME} on a consumer (load it)."""
+
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
         if self.max_tokens is not None:
@@ -158,6 +164,12 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS, none_ok=True)
+        if self.kv_transfer_params is not None and (
+                not isinstance(self.kv_transfer_params, dict) or
+                self.kv_transfer_params not in ({"do_remote_decode": True}, {"do_remote_decode": False}) and
+                set(self.kv_transfer_params) != {"remote_kv"}):
+            raise SamplingParamsError("kv_transfer_params", 'must be {"do_remote_decode": true} or {"remote_kv": '
+                                      f'NAME}}, got {self.kv_transfer_params!r:.80}')
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             if self.min_tokens:

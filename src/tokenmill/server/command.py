@@ -4,11 +4,11 @@ when the command runs, so other subcommands start fast)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.server.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -45,54 +45,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="engine replicas, each a process with its own KV cache, behind this server's one port; "
                    "requests go where their prompt's prefix is cached, else to the least loaded replica. Without "
                    "--threads, each replica gets an equal share of the cores")
-    g.add_argument("--kv-transfer-config", type=json_object, default=None,
-                   help="prefill/decode disaggregation, as JSON: '{\"kv_connector\": \"SharedMemoryConnector\"}' "
-                   "runs a prefill replica and a decode replica; a request's prompt is prefilled on the first, its "
-                   "KV handed to the second through shared memory, which generates (long prompts never stall the "
-                   "streams being decoded)")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
-KV_CONNECTORS = ("SharedMemoryConnector",)
-
-
-def json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def replica_roles(data_parallel_size: int, kv_transfer_config: dict[str, Any] | None,
-                  tensor_parallel_size: int) -> list[str]:
-    """One role per replica process ("both": data parallel; "prefill" + "decode"); [] for a single
-    engine in this process."""
+def replica_roles(data_parallel_size: int, config: EngineConfig) -> list[str]:
+    """One role per replica process ("both": data parallel; "prefill" + "decode": disaggregated);
+    [] for a single engine in this process."""
     if data_parallel_size < 1:
         raise TokenmillError(f"--data-parallel-size: must be >= 1, got {data_parallel_size}")
-    if kv_transfer_config is None:
+    kv = config.kv_transfer_config
+    if kv is None or kv.kv_role is not None:   # (an engine in one role: someone else's proxy pairs it)
         return ["both"] * data_parallel_size if data_parallel_size > 1 else []
-    unknown = sorted(set(kv_transfer_config) - {"kv_connector"})
-    if unknown:
-        raise TokenmillError(f"--kv-transfer-config: unknown key {unknown[0]!r} (known: kv_connector)")
-    connector = kv_transfer_config.get("kv_connector")
-    if connector not in KV_CONNECTORS:
-        raise TokenmillError(f"--kv-transfer-config: kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
-                             f"got {json.dumps(connector)}")
     if data_parallel_size > 1:
-        raise TokenmillError("--kv-transfer-config runs one prefill and one decode replica; it does not combine "
-                             f"with --data-parallel-size {data_parallel_size}")
-    if tensor_parallel_size > 1:
-        raise TokenmillError("--kv-transfer-config: KV transfer between tensor-parallel replicas is not supported "
-                             "(each rank holds a slice of the KV); use --tensor-parallel-size 1")
+        raise TokenmillError("--kv-transfer-config without a kv_role runs one prefill and one decode engine; it "
+                             f"does not combine with --data-parallel-size {data_parallel_size}")
     return ["prefill", "decode"]
 
 
 def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from tokenmill.checkpoint import open_checkpoint
-    from tokenmill.config import EngineConfig
     from tokenmill.hub import default_model_path, resolve_model
     from tokenmill.server.app import run_server
     from tokenmill.server.frontend import run_frontend
@@ -112,7 +83,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header
     # (a hub id is looked up, or downloaded, now).
     engine_config = EngineConfig(model=model, **engine_args)
-    roles = replica_roles(args.data_parallel_size, args.kv_transfer_config, engine_config.tensor_parallel_size)
+    roles = replica_roles(args.data_parallel_size, engine_config)
     if roles and engine_config.threads is None:
         engine_args = {**engine_args, "threads": max(1, len(os.sched_getaffinity(0)) // len(roles))}
     path = resolve_model(model)

@@ -25,6 +25,7 @@ says why: a bad flag, a model that does not load).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tokenmill.config import KVTransferConfig
 from tokenmill.server.app import (
     InternalErrorMiddleware,
     add_error_handlers,
@@ -76,6 +78,12 @@ def routing_text(body: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     return json.dumps(prompt, ensure_ascii=False) if prompt is not None else ""
+
+
+def _several_prompts(body: dict[str, Any]) -> bool:
+    """A completion request with a list of prompts (each its own K/V)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 class _Relayed(StreamingResponse):
@@ -243,8 +251,10 @@ class FrontEnd:
             parsed = json.loads(body)
         except ValueError:   # the replica's answer names the problem
             parsed = None
-        if self.disaggregated and isinstance(parsed, dict):
-            return await self._disaggregated(request, parsed)
+        if self.disaggregated:
+            if isinstance(parsed, dict) and not _several_prompts(parsed):
+                return await self._disaggregated(request, parsed)
+            return await self.relay(self._one("decode"), request, body)   # (computed there, colocated)
         candidates = self.in_rotation()
         if not candidates:
             self._one()   # (raises the 503)
@@ -337,6 +347,16 @@ def create_frontend(front: FrontEnd) -> FastAPI:
     return app
 
 
+def replica_config(config: ServerConfig, role: str) -> ServerConfig:
+    """A replica's settings: the server's, and its K/V transfer role when disaggregated."""
+    if role == "both":
+        return config
+    kv = KVTransferConfig.parse(config.engine_args["kv_transfer_config"])
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    return dataclasses.replace(config, engine_args={**config.engine_args, "kv_transfer_config": {
+        "kv_connector": kv.kv_connector, "kv_role": kv_role}})
+
+
 def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, shutdown_timeout: float,
                  log_level: str, replica_log_level: str) -> int:
     """Serve `config` with one replica per entry of `roles` ("both": data parallel; "prefill" +
@@ -353,7 +373,8 @@ def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, s
         failure.append(message)
         server.should_exit = True
 
-    replicas = [Replica(i, config, role, shutdown_timeout, replica_log_level) for i, role in enumerate(roles)]
+    replicas = [Replica(i, replica_config(config, role), role, shutdown_timeout, replica_log_level)
+                for i, role in enumerate(roles)]
     front = FrontEnd(config, replicas, on_ready, on_failed)
     app = create_frontend(front)
     # The replicas drain their own requests (SIGTERM at the start of the shutdown); the front end's

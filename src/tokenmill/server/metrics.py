@@ -48,6 +48,14 @@ class _EngineCollector(Collector):
                                   value=s.prefix_cache_hits)
         yield CounterMetricFamily("tokenmill_num_preemptions",
                                   "Sequences preempted (KV blocks freed, recomputed later)", value=s.num_preemptions)
+        if s.kv_transfer_role is not None:   # prefill/decode disaggregation
+            for name, help, value in [
+                ("exports", "Requests whose prompt K/V this engine exported (a kv_producer)", s.kv_transfer_exports),
+                ("loaded_tokens", "Prompt tokens whose K/V this engine received instead of computing them "
+                 "(a kv_consumer)", s.kv_transfer_loaded_tokens)]:
+                family = CounterMetricFamily(f"tokenmill_kv_transfer_{name}", help, labels=["role"])
+                family.add_metric([s.kv_transfer_role], value)
+                yield family
         if s.spec_proposer is not None:   # vLLM's spec_decode counters, labelled by proposer
             for name, help, value in [
                 ("num_drafts", "Request-steps that verified proposed tokens", s.spec_num_drafts),

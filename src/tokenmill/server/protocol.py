@@ -152,6 +152,8 @@ class _SamplingRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's prefill/decode disaggregation field (sent by server/frontend.py; see engine/kv_transfer.py)
+    kv_transfer_params: JsonObject | None = None
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]

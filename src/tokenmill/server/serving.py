@@ -128,7 +128,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
         logit_bias=req.logit_bias, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        logprobs=logprobs, structured_outputs=structured_outputs(req, renames))
+        logprobs=logprobs, structured_outputs=structured_outputs(req, renames),
+        kv_transfer_params=req.kv_transfer_params)
     values.update({name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None})
     try:
         return dataclasses.replace(defaults, **values)
@@ -419,8 +420,12 @@ class _Formatter:
                     text = (self.p.prompts[prompt_index][0] if self.p.echo else "") + o.text
                     choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason})
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": self.usage(finals)}
+        response = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                    "system_fingerprint": None, "choices": choices, "usage": self.usage(finals)}
+        exported = [out.kv_transfer_params for out in finals.values() if out.kv_transfer_params is not None]
+        if len(finals) == 1 and exported:   # (vLLM's field: where a decode engine finds the prompt's K/V)
+            response["kv_transfer_params"] = exported[0]
+        return response
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:

@@ -1,0 +1,118 @@
+"""Prefill/decode disaggregation: a request's prompt K/V handed from the engine that prefilled it
+(the producer) to the engine that decodes it (the consumer), through shared memory.
+
+The producer runs the request as usual (the front end asks it for one token); once its prompt is
+computed, before its blocks go back to the pool, every layer's K/V of the prompt's tokens is
+copied into a file in /dev/shm (tmpfs: memory, not disk) named `tokenmill-kv-<hex>`, with the
+token ids, and the request's output names the file (`kv_transfer_params`: {"remote_kv": name}).
+The consumer, given that name with the same request, reads the file (and deletes it), checks that
+the token ids are a prefix of its prompt and that the shapes and dtype are its own, and its
+scheduler admits the request with those tokens already computed: its blocks are allocated as for
+a prefix-cache hit and the K/V written into them before the step runs. One token is always left
+to compute (the last prompt position gives the first sampled token's logits), so the consumer
+samples every output token itself: seeds and greedy outputs are those of a colocated run.
+
+A file that no consumer collects (a client that asked a producer directly) is deleted after
+`EXPORT_TTL_S` by the producer's next export. Each side's blocks are its own: the producer's go
+back to its pool when its one-token request ends, the consumer's when its request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.errors import TokenmillError
+
+logger = logging.getLogger(__name__)
+
+KV_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+NAME = re.compile(r"tokenmill-kv-[0-9a-f]{32}")
+EXPORT_TTL_S = 300.0
+KV_ROLES = ("kv_producer", "kv_consumer")
+
+
+@dataclass
+class LoadedKV:
+    """K/V received for a request: the first `num_tokens` of its prompt, every layer."""
+
+    token_ids: list[int]
+    kv: torch.Tensor   # [layers, 2, num_tokens, kv_heads, head_dim], the cache's dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """The KV slots of positions [start, end) of a request with this block table."""
+    positions = torch.arange(start, end)
+    return torch.tensor(block_ids, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+
+
+def flat(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's [2, blocks, block_size, heads, dim] pool as [2, slots, heads, dim]."""
+    return cache.view(2, -1, *cache.shape[3:])
+
+
+class KVExporter:
+    """The producer's side: writes a request's prompt K/V to a file; deletes uncollected ones."""
+
+    def __init__(self) -> None:
+        self.exported: deque[tuple[float, Path]] = deque()
+
+    def export(self, caches: list[torch.Tensor], block_ids: list[int], block_size: int, token_ids: list[int]) -> str:
+        index = slots(block_ids, block_size, 0, len(token_ids))
+        kv = torch.stack([flat(cache)[:, index] for cache in caches])
+        name = f"tokenmill-kv-{uuid.uuid4().hex}"
+        path = KV_DIR / name
+        torch.save({"token_ids": torch.tensor(token_ids, dtype=torch.long), "kv": kv}, path)
+        now = time.monotonic()
+        while self.exported and self.exported[0][0] < now - EXPORT_TTL_S:
+            self.exported.popleft()[1].unlink(missing_ok=True)
+        self.exported.append((now, path))
+        return name
+
+
+def read_kv(name: object) -> LoadedKV | None:
+    """The K/V the producer wrote under `name`, the file then deleted; None when it is gone
+    (collected already: by an earlier child of an n > 1 request, or expired)."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise TokenmillError(f"kv_transfer_params.remote_kv: {str(name)[:60]!r} is not a KV transfer's name")
+    path = KV_DIR / name
+    try:
+        data = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        return None
+    finally:
+        path.unlink(missing_ok=True)
+    return LoadedKV(data["token_ids"].tolist(), data["kv"])
+
+
+def check_loaded(loaded: LoadedKV, prompt_token_ids: list[int], caches: list[torch.Tensor]) -> str | None:
+    """Why `loaded` cannot serve this request in this engine, or None if it can."""
+    n = loaded.num_tokens
+    if prompt_token_ids[:n] != loaded.token_ids:
+        return "its token ids are not a prefix of this request's prompt"
+    expected = (len(caches), 2, n, *caches[0].shape[3:])
+    if tuple(loaded.kv.shape) != expected or loaded.kv.dtype != caches[0].dtype:
+        return (f"its K/V is {tuple(loaded.kv.shape)} {loaded.kv.dtype}, this engine's would be {expected} "
+                f"{caches[0].dtype} (start both with the same settings)")
+    return None
+
+
+def write_kv(caches: list[torch.Tensor], block_ids: list[int], block_size: int, loaded: LoadedKV, start: int,
+             end: int) -> None:
+    """Positions [start, end) of `loaded` into the request's blocks."""
+    index = slots(block_ids, block_size, start, end)
+    for layer, cache in enumerate(caches):
+        flat(cache)[:, index] = loaded.kv[layer, :, start:end]

@@ -1,0 +1,176 @@
+"""Prefill/decode disaggregation (engine/kv_transfer.py, server/frontend.py): a producer engine
+prefills and exports a prompt's K/V, a consumer engine loads it and generates. Outputs equal a
+colocated run, the consumer's cache holds the producer's K/V bit for bit, every block goes back
+to its pool on both sides, and what cannot be used is refused or ignored with a reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import httpx
+import openai
+import pytest
+import torch
+from test_data_parallel import FLAGS, health, labelled
+from test_server import Server, running
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import kv_transfer
+from tokenmill.engine.kv_transfer import KV_DIR
+from tokenmill.errors import TokenmillError
+
+KV = {"kv_connector": "SharedMemoryConnector"}
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Hello", "One two three four five six seven"]
+
+
+def _settings(**extra):
+    return dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16, **extra)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gguf_model):
+    path = str(tiny_gguf_model("llama"))
+    producer = LLM(path, **_settings(kv_transfer_config={**KV, "kv_role": "kv_producer"}))
+    consumer = LLM(path, **_settings(kv_transfer_config={**KV, "kv_role": "kv_consumer"}))
+    colocated = LLM(path, **_settings())
+    return producer, consumer, colocated
+
+
+def _disaggregated(producer: LLM, consumer: LLM, prompt: list[int], params: SamplingParams):
+    first = producer.generate(prompt, SamplingParams(max_tokens=1, temperature=0,
+                                                     kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)[0]
+    params = dataclasses.replace(params, kv_transfer_params=first.kv_transfer_params)
+    return first, consumer.generate(prompt, params, use_tqdm=False)[0]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 40, 100])
+def test_outputs_equal_colocated(engines, length):
+    producer, consumer, colocated = engines
+    prompt = _ids(length, length)
+    for again, params in enumerate([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                    SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, n=2,
+                                                   logprobs=2)]):
+        loaded_before = consumer.engine.num_kv_loaded_tokens
+        first, out = _disaggregated(producer, consumer, prompt, params)
+        want = colocated.generate(prompt, params, use_tqdm=False)[0]
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in want.outputs]
+        for got, ref in zip(out.outputs, want.outputs, strict=True):
+            if got.logprobs is None:   # (the greedy pass asks for none)
+                continue
+            for token, a, b in zip(got.token_ids, got.logprobs, ref.logprobs, strict=True):
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+        # the consumer computed only the last prompt token (a 1-token prompt has nothing to receive); the
+        # second time, the prompt's full blocks are in its prefix cache already, and only the rest is received
+        cached = (length - 1) // 16 * 16 if again else 0
+        assert consumer.engine.num_kv_loaded_tokens - loaded_before == length - 1 - cached
+        assert first.kv_transfer_params["remote_kv"].startswith("tokenmill-kv-")
+    for llm in engines:   # every block is back in its pool (free, maybe still caching a prefix)
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert not list(KV_DIR.glob("tokenmill-kv-*"))   # and every transfer was collected
+
+
+def test_consumer_cache_holds_the_producers_kv(engines):
+    producer, consumer, _ = engines
+    prompt = _ids(37, 99)
+    first = producer.generate(prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                              use_tqdm=False)[0]
+    name = first.kv_transfer_params["remote_kv"]
+    data = torch.load(KV_DIR / name, weights_only=True)
+    assert data["token_ids"].tolist() == prompt and data["kv"].shape[:3] == (len(producer.engine.kv_caches), 2, 37)
+    engine = consumer.engine
+    request = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True,
+                                                        kv_transfer_params=first.kv_transfer_params))
+    assert not (KV_DIR / name).exists()   # read once, then deleted
+    engine.step()   # admits it: the received K/V written into its blocks, the last token computed
+    index = kv_transfer.slots(request.block_ids, engine.config.block_size, 0, 37)
+    for layer, cache in enumerate(engine.kv_caches):
+        assert torch.equal(kv_transfer.flat(cache)[:, index[:36]], data["kv"][layer][:, :36])
+        # the 37th is the consumer's own: computed in a 1-token step, against the received 36
+        torch.testing.assert_close(kv_transfer.flat(cache)[:, index[36]], data["kv"][layer][:, 36])
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_mismatched_or_missing_kv_is_computed_instead(engines, caplog):
+    producer, consumer, colocated = engines
+    prompt = _ids(30, 1)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = producer.generate(prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                              use_tqdm=False)[0]
+    other = _ids(30, 2)
+    with_kv = dataclasses.replace(greedy, kv_transfer_params=first.kv_transfer_params)
+    before = consumer.engine.num_kv_loaded_tokens
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        out = consumer.generate(other, with_kv, use_tqdm=False)[0]
+    assert "not a prefix of this request's prompt" in caplog.text
+    assert out.outputs[0].token_ids == colocated.generate(other, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    # gone (collected above): computed, quietly
+    again = consumer.generate(prompt, with_kv, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == colocated.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert consumer.engine.num_kv_loaded_tokens == before
+
+
+def test_refusals(engines):
+    producer, consumer, colocated = engines
+    with pytest.raises(TokenmillError, match="not a kv_producer"):
+        colocated.generate("hi", SamplingParams(kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    with pytest.raises(TokenmillError, match="not a kv_consumer"):
+        producer.generate("hi", SamplingParams(kv_transfer_params={"remote_kv": "tokenmill-kv-" + "0" * 32}),
+                          use_tqdm=False)
+    with pytest.raises(TokenmillError, match="not a KV transfer's name"):
+        consumer.generate("hi", SamplingParams(kv_transfer_params={"remote_kv": "../../etc/passwd"}), use_tqdm=False)
+    with pytest.raises(TokenmillError, match="kv_transfer_params"):
+        SamplingParams(kv_transfer_params={"remote_kv": "x", "more": 1})
+
+
+def test_uncollected_exports_expire(engines, monkeypatch):
+    producer = engines[0]
+    params = SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    stale = producer.generate("never collected", params, use_tqdm=False)[0].kv_transfer_params["remote_kv"]
+    assert (KV_DIR / stale).exists()
+    monkeypatch.setattr(kv_transfer, "EXPORT_TTL_S", -1.0)
+    fresh = producer.generate("the next export", params, use_tqdm=False)[0].kv_transfer_params["remote_kv"]
+    assert not (KV_DIR / stale).exists()
+    (KV_DIR / fresh).unlink()
+
+
+# --- the server: a prefill replica and a decode replica behind one front end ---------------------------
+
+@pytest.mark.slow
+def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
+    model = default_gguf_path.name
+    pd = Server([str(default_gguf_path), *FLAGS, "--kv-transfer-config", '{"kv_connector": "SharedMemoryConnector"}'],
+                tmp_path / "pd.log")
+    single = Server([str(default_gguf_path), *FLAGS], tmp_path / "single.log")
+    with running(pd, None), running(single, None):
+        assert [r["role"] for r in health(pd.base)["replicas"]] == ["prefill", "decode"]
+        answers = {}
+        for s in (pd, single):
+            client = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0)
+            out = [client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+                   for p in PROMPTS]
+            out.append(client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
+                temperature=0).choices[0].message.content)
+            stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                               stream=True)
+            out.append("".join(c.choices[0].text for c in stream if c.choices))
+            out.append([c.text for c in client.completions.create(model=model, prompt=PROMPTS[1:], max_tokens=8,
+                                                                   temperature=0).choices])
+            answers[s.base] = out
+        assert answers[pd.base] == answers[single.base]
+        # a bad request is refused once, with the prefill replica's 400
+        bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "x", "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        metrics = labelled(pd.base)
+        # one export per request but the one with several prompts (the decode replica computed those)
+        assert metrics[("tokenmill_kv_transfer_exports_total,role=kv_producer", "0")] == 5
+        assert metrics[("tokenmill_kv_transfer_loaded_tokens_total,role=kv_consumer", "1")] > 60
+        # both sides gave every block back
+        assert metrics[("tokenmill_kv_blocks_used", "0")] == metrics[("tokenmill_kv_blocks_used", "1")] == 0
+    assert not list(KV_DIR.glob("tokenmill-kv-*"))

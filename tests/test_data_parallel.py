@@ -286,3 +286,15 @@ def test_a_replica_that_cannot_load_fails_the_server(default_gguf_path, tmp_path
     assert code == 1
     log = s.log()
     assert "exceeds the model's context length" in log and "before it was ready" in log
+
+
+@pytest.mark.slow
+def test_hostile_bodies_get_the_replicas_errors(servers):
+    dp, _ = servers
+    for body, status in [(b'{"prompt":' + b"[" * 100000 + b"]" * 100000 + b"}", 400),   # too deep for json
+                         (b'{"prompt": ', 400), (b"[1, 2]", 400), (b'{"prompt": "\xff"}', 400),
+                         (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413)]:
+        r = httpx.post(dp.base + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == status and r.json()["error"]["message"], (body[:20], r.text[:200])
+    assert health(dp.base)["status"] == "ok"

@@ -117,9 +117,9 @@ def test_mismatched_or_missing_kv_is_computed_instead(engines, caplog):
 
 def test_refusals(engines):
     producer, consumer, colocated = engines
-    with pytest.raises(TokenmillError, match="not a kv_producer"):
+    with pytest.raises(TokenmillError, match="needs a kv_producer engine"):
         colocated.generate("hi", SamplingParams(kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
-    with pytest.raises(TokenmillError, match="not a kv_consumer"):
+    with pytest.raises(TokenmillError, match="needs a kv_consumer engine"):
         producer.generate("hi", SamplingParams(kv_transfer_params={"remote_kv": "tokenmill-kv-" + "0" * 32}),
                           use_tqdm=False)
     with pytest.raises(TokenmillError, match="not a KV transfer's name"):

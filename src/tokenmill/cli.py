@@ -295,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "threads and TP=2 on 1 thread per rank, and TP=2's communication as a share of its step",
                  parallel.add_parallel_args, parallel.cmd_parallel)
 
+    from tokenmill.bench import replicas
+    _model_bench(bench, "replicas", "engine replicas behind one server: data parallelism (DP=1 vs DP=2 throughput on "
+                 "the same cores, prefix-cache routing) and prefill/decode disaggregation (decode latency through a "
+                 "burst of long prompts, vs colocated)", replicas.add_replicas_args, replicas.cmd_replicas)
+
     from tokenmill.bench import spec
     _model_bench(bench, "spec", "speculative decoding: output tok/s off / ngram / draft model on an "
                  "input-grounded and a free workload at batch 1, 8, 32, acceptance rates; vs llama-server's lookup",

@@ -86,8 +86,9 @@ class RequestResult:
     output_tokens: int = 0          # from the usage chunk, else the chunks with text
 
 
-async def _one_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,
-                       headers: dict[str, str], timeout: float) -> RequestResult:
+async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,
+                         headers: dict[str, str], timeout: float) -> RequestResult:
+    """One greedy streamed completion of exactly `output_len` tokens, timed chunk by chunk."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(len(prompt), output_len)
@@ -147,7 +148,7 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
         async def run(i: int, delay: float) -> RequestResult:
             await asyncio.sleep(delay)
             async with semaphore:
-                return await _one_request(client, url, model, prompts[i], output_lens[i], headers, timeout)
+                return await stream_request(client, url, model, prompts[i], output_lens[i], headers, timeout)
 
         delays, t = [], 0.0
         for _ in prompts:
@@ -234,11 +235,13 @@ def stop_process(process: subprocess.Popen, timeout: float = 60.0) -> int | None
     return process.returncode
 
 
-def start_tokenmill(model: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_tokenmill(model: str, args: argparse.Namespace, log_path: Path,
+                    extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve` with the engine flags in `args` (then `extra`, which win), on a free port."""
     port = free_port()
     command = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", model, "--port", str(port),
                "--uvicorn-log-level", "warning", "--max-queued-requests", str(max(256, args.num_requests)),
-               *engine_argv(args)]
+               *engine_argv(args), *extra]
     env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
     log = open(log_path, "wb")   # noqa: SIM115 - the child writes to it until stopped
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), f"http://127.0.0.1:{port}"

@@ -243,8 +243,9 @@ class LLMEngine:
             return False, None
         wanted = "kv_consumer" if "remote_kv" in transfer else "kv_producer"
         if self.kv_role != wanted:
-            raise SamplingParamsError("kv_transfer_params", f"this engine is not a {wanted} (start it with "
-                                      f"kv_transfer_config {{\"kv_connector\": ..., \"kv_role\": \"{wanted}\"}})")
+            raise SamplingParamsError("kv_transfer_params", f"needs a {wanted} engine, and this one is not (start it "
+                                      f"with kv_transfer_config {{\"kv_connector\": ..., \"kv_role\": "
+                                      f"\"{wanted}\"}})")
         if wanted == "kv_producer":
             return True, None
         loaded = read_kv(transfer["remote_kv"])

@@ -249,7 +249,7 @@ class FrontEnd:
         body = await read_body(request, self.config.max_body_bytes, self.config.request_read_timeout)
         try:
             parsed = json.loads(body)
-        except ValueError:   # the replica's answer names the problem
+        except (ValueError, RecursionError):   # the replica's answer names the problem
             parsed = None
         if self.disaggregated:
             if isinstance(parsed, dict) and not _several_prompts(parsed):

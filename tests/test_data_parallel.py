@@ -22,7 +22,7 @@ from test_server import Server, running
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.server.command import replica_roles
-from tokenmill.server.frontend import _Aggregated, routing_text
+from tokenmill.server.frontend import AggregatedMetrics, routing_text
 from tokenmill.server.router import CHUNK_CHARS, CacheAwareRouter, chunk_keys
 
 FLAGS = ["--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--num-kv-blocks", "96"]
@@ -92,7 +92,7 @@ def test_aggregated_metrics_label_replicas_and_sum():
                 f"tokenmill_num_requests_running {running}\n")
 
     samples = {(s.name, s.labels["replica"]): s.value
-               for family in _Aggregated({0: text(10, 100, 1), 1: text(30, 50, 2)}).collect()
+               for family in AggregatedMetrics({0: text(10, 100, 1), 1: text(30, 50, 2)}).collect()
                for s in family.samples}
     assert samples[("tokenmill_prefix_cache_hits_total", "0")] == 10
     assert samples[("tokenmill_prefix_cache_hits_total", "all")] == 40

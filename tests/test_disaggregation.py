@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import httpx
 import openai
@@ -17,11 +18,20 @@ from test_server import Server, running
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import kv_transfer
-from tokenmill.engine.kv_transfer import KV_DIR
 from tokenmill.errors import TokenmillError
+from tokenmill.server.protocol import ErrorBody
+from tokenmill.server.serving import check_export
 
 KV = {"kv_connector": "SharedMemoryConnector"}
+SHARED = kv_transfer.KV_DIR   # where servers started here put their transfers
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Hello", "One two three four five six seven"]
+
+
+@pytest.fixture(autouse=True)
+def kv_dir(tmp_path, monkeypatch):
+    """This test's own transfer folder (what it leaves there is its own)."""
+    monkeypatch.setattr(kv_transfer, "KV_DIR", tmp_path)
+    return tmp_path
 
 
 def _settings(**extra):
@@ -71,7 +81,29 @@ def test_outputs_equal_colocated(engines, length):
         assert first.kv_transfer_params["remote_kv"].startswith("tokenmill-kv-")
     for llm in engines:   # every block is back in its pool (free, maybe still caching a prefix)
         assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
-    assert not list(KV_DIR.glob("tokenmill-kv-*"))   # and every transfer was collected
+    assert not list(kv_transfer.KV_DIR.glob("tokenmill-kv-*"))   # and every transfer was collected
+
+
+def test_under_chunked_prefill_preemption_and_speculation(tiny_gguf_model):
+    """A 16-token step budget (the rest of the prompt is chunked after the load), a pool of 12 blocks
+    (preemptions: a preempted consumer request recomputes what it had received) and ngram
+    speculation on both sides."""
+    path = str(tiny_gguf_model("llama"))
+    tight = dict(max_num_batched_tokens=16, num_kv_blocks=12, max_model_len=96,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    producer = LLM(path, **_settings(kv_transfer_config={**KV, "kv_role": "kv_producer"}))
+    consumer = LLM(path, **{**_settings(kv_transfer_config={**KV, "kv_role": "kv_consumer"}), **tight})
+    colocated = LLM(path, **{**_settings(), **tight})
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, n=2)
+    prompts = [_ids(n, n) for n in (40, 33, 50)]
+    firsts = [producer.generate(p, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                                use_tqdm=False)[0] for p in prompts]
+    outs = consumer.generate(prompts, [dataclasses.replace(params, kv_transfer_params=f.kv_transfer_params)
+                                       for f in firsts], use_tqdm=False)
+    want = colocated.generate(prompts, params, use_tqdm=False)
+    assert [[o.token_ids for o in out.outputs] for out in outs] == [[o.token_ids for o in w.outputs] for w in want]
+    assert consumer.engine.scheduler.num_preemptions > 0 and consumer.engine.num_kv_loaded_tokens > 0
+    assert consumer.engine.pool.num_free == consumer.engine.pool.num_blocks
 
 
 def test_consumer_cache_holds_the_producers_kv(engines):
@@ -80,13 +112,15 @@ def test_consumer_cache_holds_the_producers_kv(engines):
     first = producer.generate(prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
                               use_tqdm=False)[0]
     name = first.kv_transfer_params["remote_kv"]
-    data = torch.load(KV_DIR / name, weights_only=True)
+    data = torch.load(kv_transfer.KV_DIR / name, weights_only=True)
     assert data["token_ids"].tolist() == prompt and data["kv"].shape[:3] == (len(producer.engine.kv_caches), 2, 37)
     engine = consumer.engine
     request = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True,
                                                         kv_transfer_params=first.kv_transfer_params))
-    assert not (KV_DIR / name).exists()   # read once, then deleted
+    assert not (kv_transfer.KV_DIR / name).exists()   # read once, then deleted
+    before = time.monotonic()
     engine.step()   # admits it: the received K/V written into its blocks, the last token computed
+    assert before <= engine.last_step.start <= time.monotonic()   # (the step's record is the step's)
     index = kv_transfer.slots(request.block_ids, engine.config.block_size, 0, 37)
     for layer, cache in enumerate(engine.kv_caches):
         assert torch.equal(kv_transfer.flat(cache)[:, index[:36]], data["kv"][layer][:, :36])
@@ -115,6 +149,44 @@ def test_mismatched_or_missing_kv_is_computed_instead(engines, caplog):
     assert consumer.engine.num_kv_loaded_tokens == before
 
 
+def test_unwritable_or_unreadable_transfers_fall_back_to_computing(engines, kv_dir, monkeypatch, caplog):
+    producer, consumer, colocated = engines
+    prompt = _ids(25, 5)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = colocated.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    def full(*args, **kwargs):
+        (kv_dir / "partial").write_bytes(b"x")   # (what a full /dev/shm leaves: torch.save's path is args[1])
+        args[1].write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="tokenmill"):
+        m.setattr(kv_transfer.torch, "save", full)
+        first = producer.generate(prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                                  use_tqdm=False)[0]
+    assert first.kv_transfer_params is None and "No space left" in caplog.text
+    assert [p.name for p in kv_dir.iterdir()] == ["partial"]   # the half-written export is gone
+    (kv_dir / "partial").unlink()
+    # an unreadable file: computed, with a warning, and deleted
+    name = "tokenmill-kv-" + "ab" * 16
+    (kv_dir / name).write_bytes(b"not a torch file")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        out = consumer.generate(prompt, dataclasses.replace(greedy, kv_transfer_params={"remote_kv": name}),
+                                use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want and "unreadable" in caplog.text
+    assert not list(kv_dir.iterdir())
+
+
+def test_shutdown_deletes_uncollected_exports(tiny_gguf_model, kv_dir):
+    producer = LLM(str(tiny_gguf_model("llama")), **_settings(kv_transfer_config={**KV, "kv_role": "kv_producer"}))
+    producer.generate("nobody takes this", SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                      use_tqdm=False)
+    assert len(list(kv_dir.iterdir())) == 1
+    producer.engine.shutdown()
+    assert not list(kv_dir.iterdir())
+
+
 def test_refusals(engines):
     producer, consumer, colocated = engines
     with pytest.raises(TokenmillError, match="needs a kv_producer engine"):
@@ -126,17 +198,25 @@ def test_refusals(engines):
         consumer.generate("hi", SamplingParams(kv_transfer_params={"remote_kv": "../../etc/passwd"}), use_tqdm=False)
     with pytest.raises(TokenmillError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params={"remote_kv": "x", "more": 1})
+    with pytest.raises(TokenmillError, match="needs n = 1"):   # (each sample would export a copy)
+        SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
+    export = SamplingParams(kv_transfer_params={"do_remote_decode": True})
+    for stream, prompts in [(True, 1), (False, 2)]:   # the answer must name the one export
+        with pytest.raises(ErrorBody, match="one prompt and stream false"):
+            check_export(export, stream, prompts)
+    check_export(export, False, 1)
+    check_export(SamplingParams(), True, 3)
 
 
 def test_uncollected_exports_expire(engines, monkeypatch):
     producer = engines[0]
     params = SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     stale = producer.generate("never collected", params, use_tqdm=False)[0].kv_transfer_params["remote_kv"]
-    assert (KV_DIR / stale).exists()
+    assert (kv_transfer.KV_DIR / stale).exists()
     monkeypatch.setattr(kv_transfer, "EXPORT_TTL_S", -1.0)
     fresh = producer.generate("the next export", params, use_tqdm=False)[0].kv_transfer_params["remote_kv"]
-    assert not (KV_DIR / stale).exists()
-    (KV_DIR / fresh).unlink()
+    assert not (kv_transfer.KV_DIR / stale).exists()
+    (kv_transfer.KV_DIR / fresh).unlink()
 
 
 # --- the server: a prefill replica and a decode replica behind one front end ---------------------------
@@ -147,6 +227,7 @@ def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
     pd = Server([str(default_gguf_path), *FLAGS, "--kv-transfer-config", '{"kv_connector": "SharedMemoryConnector"}'],
                 tmp_path / "pd.log")
     single = Server([str(default_gguf_path), *FLAGS], tmp_path / "single.log")
+    before = set(SHARED.glob("tokenmill-kv-*"))
     with running(pd, None), running(single, None):
         assert [r["role"] for r in health(pd.base)["replicas"]] == ["prefill", "decode"]
         answers = {}
@@ -167,10 +248,16 @@ def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
         # a bad request is refused once, with the prefill replica's 400
         bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "x", "temperature": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        # ... or by the decode replica alone (the prefill leg leaves min_tokens out): its export is deleted
+        bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "a prompt to export",
+                                                            "max_tokens": 2, "min_tokens": 5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
         metrics = labelled(pd.base)
-        # one export per request but the one with several prompts (the decode replica computed those)
-        assert metrics[("tokenmill_kv_transfer_exports_total,role=kv_producer", "0")] == 5
+        # one export per request but the one with several prompts (the decode replica computed those) and the
+        # one the prefill replica refused
+        assert metrics[("tokenmill_kv_transfer_exports_total,role=kv_producer", "0")] == 6
         assert metrics[("tokenmill_kv_transfer_loaded_tokens_total,role=kv_consumer", "1")] > 60
         # both sides gave every block back
         assert metrics[("tokenmill_kv_blocks_used", "0")] == metrics[("tokenmill_kv_blocks_used", "1")] == 0
-    assert not list(KV_DIR.glob("tokenmill-kv-*"))
+        assert ("tokenmill_requests_total,status=length", "all") not in metrics   # (no double-counted sums)
+    assert set(SHARED.glob("tokenmill-kv-*")) <= before   # every transfer collected or deleted

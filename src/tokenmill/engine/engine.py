@@ -182,9 +182,11 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected or the
-        process exits; calling it twice is harmless)."""
+        process exits; calling it twice is harmless), and delete the K/V exports no consumer took."""
         if self.workers is not None:
             self.workers.shutdown()
+        if getattr(self, "kv_exporter", None) is not None:
+            self.kv_exporter.close()
 
     def _speculator(self, config: SpeculativeConfig | None, draft: LLMEngine | None) -> Speculator | None:
         if config is None:
@@ -274,9 +276,9 @@ class LLMEngine:
         if not scheduled:
             self._end_speculation({})
             return []
-        for request, loaded, start, end in schedule.loads:
-            write_kv(self.kv_caches, request.block_ids, self.config.block_size, loaded, start, end)
-            self.num_kv_loaded_tokens += end - start
+        for request, loaded, first, last in schedule.loads:
+            write_kv(self.kv_caches, request.block_ids, self.config.block_size, loaded, first, last)
+            self.num_kv_loaded_tokens += last - first
         rows = scheduled_rows(scheduled)
         generator_states = [(r.generator, r.generator.get_state()) for r, n in scheduled
                             if r.generator is not None and r.num_computed_tokens + n == r.num_tokens]   # samples now
@@ -309,11 +311,11 @@ class LLMEngine:
                 request.num_computed_tokens += n
                 if request.spec_token_ids:
                     self.kv.truncate(request)
-                if request.kv_export and request.kv_exported is None and \
-                        request.num_computed_tokens >= len(request.prompt_token_ids):
+                if request.kv_export and request.num_computed_tokens >= len(request.prompt_token_ids):
+                    request.kv_export = False
                     request.kv_exported = self.kv_exporter.export(self.kv_caches, request.block_ids,
                                                                   self.config.block_size, request.prompt_token_ids)
-                    self.num_kv_exports += 1
+                    self.num_kv_exports += request.kv_exported is not None
                 # (accepted proposals are computed before they are appended below)
                 request.num_forced_pending = max(0, min(request.num_forced_pending,
                                                         request.num_tokens - request.num_computed_tokens))

@@ -12,9 +12,13 @@ a prefix-cache hit and the K/V written into them before the step runs. One token
 to compute (the last prompt position gives the first sampled token's logits), so the consumer
 samples every output token itself: seeds and greedy outputs are those of a colocated run.
 
-A file that no consumer collects (a client that asked a producer directly) is deleted after
-`EXPORT_TTL_S` by the producer's next export. Each side's blocks are its own: the producer's go
-back to its pool when its one-token request ends, the consumer's when its request ends.
+A file that no consumer collects is deleted: by the front end once the decode request is over
+(whatever its outcome), by the producer's next export after `EXPORT_TTL_S`, by a producer starting
+(any transfer file older than that), and by the producer's shutdown (its own). A file left by a
+producer killed outright stays until the next producer starts. Each side's blocks are its own: the
+producer's go back to its pool when its one-token request ends, the consumer's when its request
+ends. The consumer reads the file when the request arrives and holds its K/V in memory (outside
+the KV pool) until the request is admitted.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ logger = logging.getLogger(__name__)
 KV_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 NAME = re.compile(r"tokenmill-kv-[0-9a-f]{32}")
 EXPORT_TTL_S = 300.0
-KV_ROLES = ("kv_producer", "kv_consumer")
 
 
 @dataclass
@@ -64,38 +67,71 @@ def flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(2, -1, *cache.shape[3:])
 
 
+def transfer_path(name: str) -> Path:
+    """Where the transfer `name` lives; refuses anything but a transfer's name (it comes from a request)."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise TokenmillError(f"kv_transfer_params.remote_kv: {str(name)[:60]!r} is not a KV transfer's name")
+    return KV_DIR / name
+
+
 class KVExporter:
     """The producer's side: writes a request's prompt K/V to a file; deletes uncollected ones."""
 
     def __init__(self) -> None:
         self.exported: deque[tuple[float, Path]] = deque()
+        cutoff = time.time() - EXPORT_TTL_S   # left by a producer that did not shut down
+        for path in KV_DIR.glob("tokenmill-kv-*"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+            except OSError:
+                pass
 
-    def export(self, caches: list[torch.Tensor], block_ids: list[int], block_size: int, token_ids: list[int]) -> str:
+    def export(self, caches: list[torch.Tensor], block_ids: list[int], block_size: int,
+               token_ids: list[int]) -> str | None:
+        """The name the K/V of `token_ids` is written under; None if it could not be written (the
+        consumer then computes the prompt: a full /dev/shm fails one transfer, not the engine)."""
+        now = time.monotonic()
+        while self.exported and self.exported[0][0] < now - EXPORT_TTL_S:
+            self.exported.popleft()[1].unlink(missing_ok=True)
         index = slots(block_ids, block_size, 0, len(token_ids))
         kv = torch.stack([flat(cache)[:, index] for cache in caches])
         name = f"tokenmill-kv-{uuid.uuid4().hex}"
         path = KV_DIR / name
-        torch.save({"token_ids": torch.tensor(token_ids, dtype=torch.long), "kv": kv}, path)
-        now = time.monotonic()
-        while self.exported and self.exported[0][0] < now - EXPORT_TTL_S:
-            self.exported.popleft()[1].unlink(missing_ok=True)
+        try:
+            torch.save({"token_ids": torch.tensor(token_ids, dtype=torch.long), "kv": kv}, path)
+        except Exception as e:
+            path.unlink(missing_ok=True)
+            logger.warning("could not export a prompt's K/V to %s (%s: %s); the decode engine will compute it",
+                           path, type(e).__name__, e)
+            return None
         self.exported.append((now, path))
         return name
+
+    def close(self) -> None:
+        """Delete every export still there (collected ones are gone already)."""
+        while self.exported:
+            self.exported.popleft()[1].unlink(missing_ok=True)
 
 
 def read_kv(name: object) -> LoadedKV | None:
     """The K/V the producer wrote under `name`, the file then deleted; None when it is gone
-    (collected already: by an earlier child of an n > 1 request, or expired)."""
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise TokenmillError(f"kv_transfer_params.remote_kv: {str(name)[:60]!r} is not a KV transfer's name")
-    path = KV_DIR / name
+    (collected already: by an earlier child of an n > 1 request, or expired) or unreadable."""
+    path = transfer_path(name)
     try:
         data = torch.load(path, weights_only=True)
+        token_ids, kv = data["token_ids"], data["kv"]
+        if not isinstance(token_ids, torch.Tensor) or not isinstance(kv, torch.Tensor) or token_ids.dim() != 1:
+            raise ValueError("not a K/V transfer's content")
+        return LoadedKV(token_ids.tolist(), kv)
     except FileNotFoundError:
+        return None
+    except Exception as e:
+        logger.warning("kv_transfer_params: %s is unreadable (%s: %s); computing the prompt", name,
+                       type(e).__name__, e)
         return None
     finally:
         path.unlink(missing_ok=True)
-    return LoadedKV(data["token_ids"].tolist(), data["kv"])
 
 
 def check_loaded(loaded: LoadedKV, prompt_token_ids: list[int], caches: list[torch.Tensor]) -> str | None:

@@ -170,6 +170,9 @@ class SamplingParams:
                 set(self.kv_transfer_params) != {"remote_kv"}):
             raise SamplingParamsError("kv_transfer_params", 'must be {"do_remote_decode": true} or {"remote_kv": '
                                       f'NAME}}, got {self.kv_transfer_params!r:.80}')
+        if self.kv_transfer_params == {"do_remote_decode": True} and self.n > 1:
+            # (each sample would export its own copy of the prompt's K/V, and the output names one)
+            raise SamplingParamsError("kv_transfer_params", f"do_remote_decode needs n = 1, got n = {self.n}")
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             if self.min_tokens:

@@ -5,15 +5,18 @@
 
 Data parallel: each generation request goes to one replica, chosen by server/router.py (prefix
 affinity, else load); the response (a stream included) is relayed as it comes. Everything else
-(/v1/models, /tokenize, the web UI) goes to any replica in rotation. /health is 200 while at least
-one replica is up; /metrics holds every replica's metrics labelled `replica="i"`, their sums as
-`replica="all"`, and the front end's own (routing decisions, replicas up, restarts).
+(/v1/models, /tokenize, the web UI and its feed) goes to the lowest-numbered replica in rotation.
+/health is 200 while at least one replica is up (disaggregated: one of each role); /metrics holds
+every replica's metrics labelled `replica="i"`, their sums as `replica="all"` (not when
+disaggregated: a request runs on both), and the front end's own (routing decisions, replicas up,
+restarts).
 
 Disaggregated: replica 0 prefills, replica 1 decodes. A generation request goes first to the
 prefill replica as a one-token request that exports its prompt's KV (`kv_transfer_params`:
 {"do_remote_decode": true}, vLLM's field); its answer names the exported KV, and the original
 request then goes to the decode replica with that name, which loads the KV into its own cache and
-computes only the last prompt token onward (engine/kv_transfer.py). Long prompts then never share a
+computes only the last prompt token onward (engine/kv_transfer.py); once that answer is over, the
+front end deletes the export if the decode replica did not take it. Long prompts then never share a
 step with the decode replica's running streams.
 
 A replica that dies is taken out of rotation at once (its requests in flight fail: a stream gets an
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -43,6 +47,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.config import KVTransferConfig
+from tokenmill.engine.kv_transfer import transfer_path
 from tokenmill.server.app import (
     InternalErrorMiddleware,
     add_error_handlers,
@@ -67,6 +72,11 @@ _DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "trans
 # The decode replica generates; the prefill replica's one-token request leaves these out (a
 # min_tokens above 1 would be refused with max_tokens 1; usage options shape a stream it does not send).
 _PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "stream_options", "best_of")
+
+
+def relayable(headers: httpx.Headers | Any) -> dict[str, str]:
+    """The headers of a request or response to pass on (not hop-by-hop ones, not those set anew)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_HEADERS}
 
 
 def routing_text(body: Any) -> str:
@@ -94,7 +104,7 @@ class _Relayed(StreamingResponse):
         self.upstream = upstream
         self.replica = replica
         self.on_close = on_close
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        headers = relayable(upstream.headers)
         super().__init__(self._chunks(), status_code=upstream.status_code, headers=headers)
 
     async def _chunks(self) -> AsyncIterator[bytes]:
@@ -116,11 +126,12 @@ class _Relayed(StreamingResponse):
             self.on_close()
 
 
-class _Aggregated(Collector):
-    """Replicas' metrics (parsed exposition texts) labelled by replica, plus their sums."""
+class AggregatedMetrics(Collector):
+    """Replicas' metrics (parsed exposition texts) labelled by replica, plus their sums (`totals`)."""
 
-    def __init__(self, texts: dict[int, str]):
+    def __init__(self, texts: dict[int, str], totals: bool = True):
         self.texts = texts
+        self.totals = totals
 
     def collect(self) -> list[Metric]:
         families: dict[str, Metric] = {}
@@ -134,6 +145,8 @@ class _Aggregated(Collector):
                     if not s.name.endswith("_created"):
                         key = (s.name, tuple(sorted(s.labels.items())))
                         total[key] = total.get(key, 0.0) + s.value
+        if not self.totals:
+            return list(families.values())
         sums = {sample: value for total in totals.values() for (sample, _), value in total.items()}
         for name, total in totals.items():
             for (sample, labels), value in total.items():
@@ -178,6 +191,8 @@ class FrontEnd:
             r.start()
         while not self.stopping:
             for r in self.replicas:
+                if self.stopping:   # (the replicas are draining: their exits are expected)
+                    return
                 code = r.exit_code()
                 if code is not None:
                     if not r.ever_up:
@@ -202,6 +217,11 @@ class FrontEnd:
                 self.on_ready()
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
 
+    def supervisor_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("supervising the replicas failed", exc_info=task.exception())
+            self.on_failed(f"supervising the replicas failed: {task.exception()!r}")
+
     async def _healthy(self, replica: Replica) -> bool:
         try:
             response = await self.client.get(replica.url + "/health", timeout=HEALTH_TIMEOUT_S)
@@ -219,22 +239,31 @@ class FrontEnd:
     def in_rotation(self, role: str = "both") -> list[Replica]:
         return [r for r in self.replicas if r.up and (role == "both" or r.role == role)]
 
-    def _one(self, role: str = "both") -> Replica:
+    def first_up(self) -> Replica:
+        """The replica that answers everything but generation (tokenize, the web UI, its live feed):
+        the same one while it stays up (the decode replica when disaggregated)."""
+        return self._one("decode" if self.disaggregated else "both", lambda r: r.index)
+
+    def _one(self, role: str = "both", key: Callable[[Replica], Any] = lambda r: (r.in_flight, r.index)) -> Replica:
         candidates = self.in_rotation(role)
         if not candidates:
             raise ErrorBody(503, "no replica is ready (starting or restarting); retry later", type_="server_error",
                             code="unavailable", headers={"Retry-After": "1"})
-        return min(candidates, key=lambda r: (r.in_flight, r.index))
+        return min(candidates, key=key)
 
-    async def relay(self, replica: Replica, request: Request, body: bytes) -> Response:
-        """Send the request to `replica` and relay its answer."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+    async def relay(self, replica: Replica, request: Request, body: bytes, counted: bool = True,
+                    on_done: Callable[[], None] | None = None) -> Response:
+        """Send the request to `replica` and relay its answer. `counted`: a generation request (it
+        counts in the replica's load); `on_done` runs once the relay is over, however it ends."""
         upstream_request = self.client.build_request(request.method, replica.url + request.url.path,
-                                                     params=request.query_params, headers=headers, content=body)
-        replica.in_flight += 1
+                                                     params=request.query_params,
+                                                     headers=relayable(request.headers), content=body)
+        replica.in_flight += counted
 
         def done() -> None:
-            replica.in_flight -= 1
+            replica.in_flight -= counted
+            if on_done is not None:
+                on_done()
 
         try:
             upstream = await self.client.send(upstream_request, stream=True)
@@ -243,6 +272,9 @@ class FrontEnd:
             logger.warning("%s did not answer %s %s: %s", replica.name, request.method, request.url.path, e)
             raise ErrorBody(502, f"{replica.name} did not answer (it may have just died; retry)",
                             type_="server_error", code="bad_gateway") from None
+        except BaseException:   # (cancelled: the client went away)
+            done()
+            raise
         return _Relayed(upstream, replica, done)
 
     async def generate(self, request: Request) -> Response:
@@ -268,11 +300,11 @@ class FrontEnd:
         prefill, decode = self._one("prefill"), self._one("decode")
         first = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
         first.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
         self.routed.labels(str(prefill.index), "prefill").inc()
         prefill.in_flight += 1
         try:
-            answer = await self.client.post(prefill.url + request.url.path, json=first, headers=headers)
+            answer = await self.client.post(prefill.url + request.url.path, json=first,
+                                            headers=relayable(request.headers))
         except httpx.HTTPError as e:
             logger.warning("%s did not answer: %s", prefill.name, e)
             raise ErrorBody(502, f"{prefill.name} did not answer (it may have just died; retry)",
@@ -280,13 +312,16 @@ class FrontEnd:
         finally:
             prefill.in_flight -= 1
         if answer.status_code != 200:   # the request is bad (400), or the server busy: as the prefill replica says
-            return Response(answer.content, status_code=answer.status_code,
-                            headers={k: v for k, v in answer.headers.items() if k.lower() not in _DROPPED_HEADERS})
+            return Response(answer.content, status_code=answer.status_code, headers=relayable(answer.headers))
         params = answer.json().get("kv_transfer_params")
+        cleanup = None
         if params is not None:
             body["kv_transfer_params"] = params
+            path = transfer_path(params["remote_kv"])
+            # the consumer deletes it when it reads it; not read (refused, queue full, died): here
+            cleanup = functools.partial(path.unlink, missing_ok=True)
         self.routed.labels(str(decode.index), "decode").inc()
-        return await self.relay(decode, request, json.dumps(body).encode())
+        return await self.relay(decode, request, json.dumps(body).encode(), on_done=cleanup)
 
     async def metrics(self) -> bytes:
         async def scrape(r: Replica) -> tuple[int, str | None]:
@@ -298,7 +333,9 @@ class FrontEnd:
 
         texts = dict(await asyncio.gather(*(scrape(r) for r in self.in_rotation())))
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Aggregated({i: t for i, t in texts.items() if t is not None}))
+        # (disaggregated, a request runs on both replicas: its counts would be summed twice)
+        registry.register(AggregatedMetrics({i: t for i, t in texts.items() if t is not None},
+                                            totals=not self.disaggregated))
         return generate_latest(self.registry) + generate_latest(registry)
 
 
@@ -310,6 +347,7 @@ def create_frontend(front: FrontEnd) -> FastAPI:
         front.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         supervisor = asyncio.ensure_future(front.supervise())
+        supervisor.add_done_callback(front.supervisor_ended)
         yield
         front.stop_replicas()
         supervisor.cancel()
@@ -339,10 +377,10 @@ def create_frontend(front: FrontEnd) -> FastAPI:
     async def metrics() -> Response:
         return Response(await front.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "HEAD"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "HEAD", "DELETE", "PUT", "PATCH"])
     async def anything_else(request: Request, path: str) -> Response:
         body = await read_body(request, config.max_body_bytes, config.request_read_timeout)
-        return await front.relay(front._one("decode" if front.disaggregated else "both"), request, body)
+        return await front.relay(front.first_up(), request, body, counted=False)
 
     return app
 

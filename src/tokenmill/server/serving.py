@@ -167,6 +167,14 @@ def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> tup
     return include_usage, include_usage and bool(req.stream_options.continuous_usage_stats)
 
 
+def check_export(params: SamplingParams, stream: bool, num_prompts: int) -> None:
+    """A request exporting its prompt's K/V (prefill/decode disaggregation) gets the name back in
+    its one answer: one prompt (n = 1: SamplingParams), not streamed."""
+    if params.kv_transfer_params == {"do_remote_decode": True} and (stream or num_prompts > 1):
+        raise ErrorBody(400, "kv_transfer_params: do_remote_decode needs one prompt and stream false (the answer "
+                        "names the exported K/V)", param="kv_transfer_params")
+
+
 def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepared:
     if req.echo and req.logprobs is not None:
         raise ErrorBody(400, "echo: prompt log-probabilities are not supported, so echo cannot be combined "
@@ -184,6 +192,7 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
         except TokenmillError as e:
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
+    check_export(params, req.stream, len(prompts))
     return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo,
                     renames=renames)
 
@@ -216,6 +225,7 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
         message = str(e)
         param = message.split(":", 1)[0] if message.startswith("messages[") else "messages"
         raise ErrorBody(400, message if param != "messages" else f"messages: {e}", param=param) from None
+    check_export(params, req.stream, 1)
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames,
                     tools=tools if req.tools is not None and tools.parses_output else None)
 

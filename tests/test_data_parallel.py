@@ -298,3 +298,13 @@ def test_hostile_bodies_get_the_replicas_errors(servers):
                        timeout=60)
         assert r.status_code == status and r.json()["error"]["message"], (body[:20], r.text[:200])
     assert health(dp.base)["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_other_routes_reach_one_replica_whatever_their_method(servers):
+    dp, _ = servers
+    # (a replica's answers: DELETE is relayed too, not refused by the front end with a 405)
+    assert httpx.delete(dp.base + "/engine/burst").status_code == 403   # the replicas run without --allow-burst
+    assert httpx.get(dp.base + "/engine").status_code == 200
+    tokens = httpx.post(dp.base + "/tokenize", json={"prompt": "Hello there"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0

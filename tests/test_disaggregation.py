@@ -252,6 +252,10 @@ def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
         bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "a prompt to export",
                                                             "max_tokens": 2, "min_tokens": 5})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+        deadline = time.monotonic() + 10   # (deleted once the relay is over, just after the answer went out)
+        while set(SHARED.glob("tokenmill-kv-*")) - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(SHARED.glob("tokenmill-kv-*")) <= before   # while both servers run (not by a shutdown)
         metrics = labelled(pd.base)
         # one export per request but the one with several prompts (the decode replica computed those) and the
         # one the prefill replica refused

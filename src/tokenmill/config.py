@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields, replace
@@ -490,11 +491,9 @@ class KVTransferConfig:
     kv_role: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_connector not in KV_CONNECTORS:
-            raise TokenmillError(f"kv_transfer_config.kv_connector: {self.kv_connector!r} is not one of "
-                                 f"{', '.join(KV_CONNECTORS)}")
-        if self.kv_role is not None and self.kv_role not in KV_ROLES:
-            raise TokenmillError(f"kv_transfer_config.kv_role: {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
+        _check_choice("kv_transfer_config.kv_connector", self.kv_connector, KV_CONNECTORS)
+        if self.kv_role is not None:
+            _check_choice("kv_transfer_config.kv_role", self.kv_role, KV_ROLES)
 
     @classmethod
     def parse(cls, value: KVTransferConfig | Mapping[str, Any] | str) -> KVTransferConfig:
@@ -612,11 +611,9 @@ class EngineConfig:
                                  f"not supported (on a CPU a pipeline's stages run one after the other for each "
                                  f"token; use tensor_parallel_size to split a model's memory, see "
                                  f"docs/ARCHITECTURE.md)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise TokenmillError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise TokenmillError(f"tool_call_parser: {self.tool_call_parser!r} is not one of "
-                                 f"{', '.join(TOOL_CALL_PARSERS)}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.tool_call_parser is not None:
+            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_transfer_config is not None:
@@ -624,9 +621,7 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise TokenmillError("kv_transfer_config: K/V transfer with tensor_parallel_size > 1 is not supported "
                                      "(each rank holds a slice of the K/V)")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise TokenmillError(f"attention_backend: {self.attention_backend!r} is not one of "
-                                 f"{', '.join(ATTENTION_BACKENDS)}")
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
@@ -687,6 +682,17 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def cores_per_process(processes: int) -> int:
+    """This process's cores shared out among `processes` (tensor-parallel ranks, replicas): the
+    default thread count of each."""
+    return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TokenmillError(f"{name}: {value!r} is not one of {', '.join(choices)}")
 
 
 def _check_positive(name: str, value: object) -> None:

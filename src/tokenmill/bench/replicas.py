@@ -43,6 +43,7 @@ from tokenmill.bench.serve import (
     wait_ready,
 )
 from tokenmill.bench.workload import make_prompts
+from tokenmill.config import cores_per_process
 
 DP_RATIO_TARGET = 0.9
 ITL_P99_TARGET = 2.0
@@ -109,14 +110,10 @@ class _Server:
         return _metric(text, name, "all" if self.replicated else None)
 
 
-def _half(n: int) -> int:
-    return max(1, n // 2)
-
-
 def run_dp(model: str, args: argparse.Namespace, tokenizer: Any, out: Path) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
     configs = [("DP=1", ["--threads", str(cores)]),
-               ("DP=2", ["--threads", str(_half(cores)), "--data-parallel-size", "2"])]
+               ("DP=2", ["--threads", str(cores_per_process(2)), "--data-parallel-size", "2"])]
     # the uniform workload
     uniform = {name: [] for name, _ in configs}
     prefix = {name: [] for name, _ in configs}
@@ -175,7 +172,7 @@ async def _mixed_load(url: str, model: str, streams: list[list[int]], stream_len
 def run_pd(model: str, args: argparse.Namespace, tokenizer: Any, out: Path) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
     configs = [("colocated", ["--threads", str(cores)]),
-               ("disaggregated", ["--threads", str(_half(cores)), "--kv-transfer-config", KV])]
+               ("disaggregated", ["--threads", str(cores_per_process(2)), "--kv-transfer-config", KV])]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
     for repeat in range(args.repeats):
         streams = make_prompts(tokenizer, [32] * args.streams, args.seed, tag=f"Stream {repeat}")

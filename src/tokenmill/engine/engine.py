@@ -21,6 +21,7 @@ from tokenmill.config import (
     EngineConfig,
     ModelConfig,
     SpeculativeConfig,
+    cores_per_process,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -94,8 +95,7 @@ class LLMEngine:
         scheduler is unused: the speculator runs its model on shadow requests)."""
         self.config = config
         tp_size = config.tensor_parallel_size
-        threads = config.threads if config.threads is not None or tp_size == 1 else \
-            max(1, len(os.sched_getaffinity(0)) // tp_size)
+        threads = config.threads if config.threads is not None or tp_size == 1 else cores_per_process(tp_size)
         if threads is not None:
             # PyTorch's intra-op threads; the C kernels share its OpenMP runtime, so their parallel
             # regions in this thread take the same count.
@@ -110,6 +110,7 @@ class LLMEngine:
             self.workers = TPWorkers(ckpt.path, config, self.dtype, self.device, tp_size, threads)
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
+        self.kv_exporter: KVExporter | None = None   # (set by _build; shutdown may come first)
         try:
             self._build(ckpt, config)
             self.speculator = self._speculator(config.speculative_config, draft)
@@ -185,7 +186,7 @@ class LLMEngine:
         process exits; calling it twice is harmless), and delete the K/V exports no consumer took."""
         if self.workers is not None:
             self.workers.shutdown()
-        if getattr(self, "kv_exporter", None) is not None:
+        if self.kv_exporter is not None:
             self.kv_exporter.close()
 
     def _speculator(self, config: SpeculativeConfig | None, draft: LLMEngine | None) -> Speculator | None:

@@ -24,9 +24,7 @@ the KV pool) until the request is admitted.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import tempfile
 import time
 import uuid
 from collections import deque
@@ -35,11 +33,12 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.cache import SHARED_MEMORY_DIR
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
 
-KV_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+KV_DIR = SHARED_MEMORY_DIR   # (a name of this module's: tests point it elsewhere)
 NAME = re.compile(r"tokenmill-kv-[0-9a-f]{32}")
 EXPORT_TTL_S = 300.0
 

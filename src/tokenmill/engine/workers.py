@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from tokenmill import parallel
+from tokenmill.cache import SHARED_MEMORY_DIR
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ COLLECTIVE_TIMEOUT_S = 600
 WORKER_TIMEOUT_S = 365 * 24 * 3600   # gloo needs a number
 JOIN_TIMEOUT_S = 10
 LOOPBACK = "127.0.0.1"
-SHM_DIR = "/dev/shm"   # (memory, not disk: the shared mapping's file)
 WORKER_MODULE = "tokenmill.engine.worker_process"   # a worker's main()
 EXIT_WAIT_S = 1.0   # a collective's peer closed its connection: how long to wait for its exit status
 
@@ -152,7 +152,7 @@ class TPWorkers:
         else:
             meet = Rendezvous(LOOPBACK, free_port(), size)
             # ranks on this machine exchange through shared memory (parallel.SharedExchange)
-            shm = parallel.SharedExchange.create(Path(SHM_DIR) / f"tokenmill-tp-{os.getpid()}-{meet.port}", size,
+            shm = parallel.SharedExchange.create(SHARED_MEMORY_DIR / f"tokenmill-tp-{os.getpid()}-{meet.port}", size,
                                                  COLLECTIVE_TIMEOUT_S)
         # (also at exit: an engine never shut down stops its workers, closes its group, removes the mapping)
         groups: list[parallel.TensorParallel] = []

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, cores_per_process
 from tokenmill.errors import TokenmillError
 from tokenmill.server.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -85,7 +85,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     engine_config = EngineConfig(model=model, **engine_args)
     roles = replica_roles(args.data_parallel_size, engine_config)
     if roles and engine_config.threads is None:
-        engine_args = {**engine_args, "threads": max(1, len(os.sched_getaffinity(0)) // len(roles))}
+        engine_args = {**engine_args, "threads": cores_per_process(len(roles))}
     path = resolve_model(model)
     open_checkpoint(path)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None

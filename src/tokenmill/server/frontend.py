@@ -90,6 +90,13 @@ def routing_text(body: Any) -> str:
     return json.dumps(prompt, ensure_ascii=False) if prompt is not None else ""
 
 
+def _no_answer(replica: Replica, error: httpx.HTTPError) -> ErrorBody:
+    """The 502 for a request `replica` did not answer."""
+    logger.warning("%s did not answer: %s", replica.name, error)
+    return ErrorBody(502, f"{replica.name} did not answer (it may have just died; retry)", type_="server_error",
+                     code="bad_gateway")
+
+
 def _several_prompts(body: dict[str, Any]) -> bool:
     """A completion request with a list of prompts (each its own K/V)."""
     prompt = body.get("prompt")
@@ -269,9 +276,7 @@ class FrontEnd:
             upstream = await self.client.send(upstream_request, stream=True)
         except httpx.HTTPError as e:
             done()
-            logger.warning("%s did not answer %s %s: %s", replica.name, request.method, request.url.path, e)
-            raise ErrorBody(502, f"{replica.name} did not answer (it may have just died; retry)",
-                            type_="server_error", code="bad_gateway") from None
+            raise _no_answer(replica, e) from None
         except BaseException:   # (cancelled: the client went away)
             done()
             raise
@@ -306,9 +311,7 @@ class FrontEnd:
             answer = await self.client.post(prefill.url + request.url.path, json=first,
                                             headers=relayable(request.headers))
         except httpx.HTTPError as e:
-            logger.warning("%s did not answer: %s", prefill.name, e)
-            raise ErrorBody(502, f"{prefill.name} did not answer (it may have just died; retry)",
-                            type_="server_error", code="bad_gateway") from None
+            raise _no_answer(prefill, e) from None
         finally:
             prefill.in_flight -= 1
         if answer.status_code != 200:   # the request is bad (400), or the server busy: as the prefill replica says

@@ -12,11 +12,25 @@ from engine_helpers import greedy, make_engine, prefill_logits
 
 from tokenmill import LLM, SamplingParams, config, kernels
 from tokenmill.config import resolve_kv_cache_dtype
+from tokenmill.engine.kv_cache import kv_bytes_per_token
 from tokenmill.errors import TokenmillError
-from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention import (
+    Attention,
+    dequantize_kv,
+    from_cache_rows,
+    kv_row_width,
+    quantize_kv,
+    to_cache_rows,
+)
 from tokenmill.layers.op import set_backend
 from tokenmill.layers.quant import kernel_available
 from tokenmill.models.loader import weight_forms
+
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]   # cache dtypes; int8: rows with a scale each
+
+
+def query_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    return kv_dtype if kv_dtype.is_floating_point else torch.float32
 
 
 def random_paged_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -25,7 +39,7 @@ def random_paged_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 2
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    cache = to_cache_rows(torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g), dtype)
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for count in need:
@@ -33,8 +47,18 @@ def random_paged_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int
         order = order[count:]
     width = max(need)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(query_dtype(dtype))
     return q, cache, block_tables, torch.tensor(lens)
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """The layer's cache write: x [len(slots), kv_heads, head_dim] into one K or V cache's slots."""
+    cache.view(-1, *cache.shape[-2:]).index_copy_(0, slots, to_cache_rows(x, cache.dtype))
+
+
+def poison(cache: torch.Tensor, index) -> None:
+    """Cache rows that must never be read made NaN (int8 rows: every byte 0xff, a NaN scale)."""
+    cache[index] = float("nan") if cache.dtype.is_floating_point else -1
 
 
 def gather_exact(cache, table, n, block_size, heads):
@@ -43,7 +67,8 @@ def gather_exact(cache, table, n, block_size, heads):
     pos = torch.arange(n)
     slots = table[pos // block_size] * block_size + pos % block_size
     group = heads // cache.shape[3]
-    return tuple(c.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1) for c in cache)
+    return tuple(from_cache_rows(c.flatten(0, 1)[slots], torch.float64).repeat_interleave(group, dim=1)
+                 for c in cache)
 
 
 def exact_decode(q, cache, block_tables, seq_lens, block_size, scale):
@@ -61,7 +86,7 @@ def test_kernel_builds_here():
 
 
 @pytest.mark.parametrize("generic", [False, True])   # AVX-512 path (where present) and the portable loops
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16),
                           (2, 1, 80, 16)])
@@ -83,7 +108,7 @@ def exact_prefill(q, cache, table, seq_len, block_size, scale):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16),
                           (2, 1, 80, 16)])
@@ -94,7 +119,7 @@ def test_prefill_kernel_equals_exact_attention(dtype, heads, kv_heads, head_dim,
     if not kernels.load().quant_matmul_has_simd():
         pytest.skip("the prefill kernel is AVX-512 only (SDPA runs elsewhere)")
     q, cache, tables, _ = random_paged_batch([seq_len], heads, kv_heads, head_dim, block_size, dtype, seed=seq_len)
-    q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(5)).to(query_dtype(dtype))
     got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5)
     assert got is not None and got.dtype == torch.float32 and got.shape == q.shape
     expected = exact_prefill(q, cache, tables[0], seq_len, block_size, head_dim**-0.5)
@@ -106,15 +131,15 @@ def test_prefill_kernel_declines_other_head_dims():
     assert kernels.paged_prefill(torch.randn(20, 2, 40), cache[0], cache[1], tables[0], 20, 0.1) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_kernel_backend_equals_torch_backend_in_the_layer(dtype):
     lens = [5, 48, 200, 7, 129]
     q, cache, tables, seq_lens = random_paged_batch(lens, 9, 3, 64, 16, dtype, seed=3)
     layer = Attention(9, 3, 64, 0.125)
     fast = layer._decode(q, cache[0], cache[1], tables, seq_lens)
     reference = layer._decode_torch(q, cache[0], cache[1], tables, seq_lens)
-    assert fast.dtype == reference.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 1e-2   # bf16: both round the fp32 result once
+    assert fast.dtype == reference.dtype == query_dtype(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5   # bf16: both round the fp32 result once
     torch.testing.assert_close(fast.float(), reference.float(), atol=tol, rtol=tol)
 
 
@@ -150,7 +175,7 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog, tiny_gguf_mo
         _clear_kernel_caches()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("generic", [False, True])
 def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
     """decode_rotary (rotary + cache write + attention in one C call) == apply_rotary, the layer's
@@ -172,7 +197,7 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
     q, k, v = qkv.view(len(lens), -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     q = apply_rotary(q, *rope)
     for i, t in enumerate((apply_rotary(k, *rope), v)):  # the layer's cache write
-        unfused_cache[i].view(-1, kv_heads, head_dim).index_copy_(0, slots, t.to(dtype))
+        write_rows(unfused_cache[i], slots, t)
     expected = kernels.paged_decode(q, unfused_cache[0], unfused_cache[1], tables, seq_lens, head_dim**-0.5,
                                     generic=generic).view(len(lens), -1)
     if not generic:  # and through the layer, as the model calls it
@@ -203,7 +228,7 @@ def torch_reference(heads: int, kv_heads: int, head_dim: int, window: int | None
 
 
 @pytest.mark.parametrize("generic", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
@@ -239,7 +264,7 @@ def test_decode_kernel_reads_no_block_before_the_window():
 
 
 @pytest.mark.parametrize("generic", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (700, None), (None, 30.0)])
 def test_split_decode_equals_exact_attention(generic, dtype, window, softcap):
     """Batch 1 and 2 at long context on 4 threads: too few (request, kv head) tasks, so each request's
@@ -284,7 +309,7 @@ def exact_prefill_options(q, cache, table, seq_len, block_size, scale, window, s
     return torch.einsum("hnl,lhd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 2, 80, 4)])
@@ -301,12 +326,12 @@ def test_prefill_kernel_window_and_softcap_equal_exact_attention(dtype, window, 
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
     if window is not None:  # blocks wholly before the first row's window are not read
         first_block = max(0, seq_len - num_q - window + 1) // block_size
-        cache[:, tables[0, :first_block]] = float("nan")
+        poison(cache, (slice(None), tables[0, :first_block]))
         assert torch.equal(kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5,
                                                  sliding_window=window, logit_softcap=softcap), got)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, None), (None, 1.5), (6, 1.5), (1, 1.5), (300, None)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_layer_kernels_equal_the_torch_backend_with_options(dtype, window, softcap, block_size):
@@ -326,7 +351,7 @@ def test_layer_kernels_equal_the_torch_backend_with_options(dtype, window, softc
         tables.append(table + [0] * (max(need) - count))
         slots += [table[p // block_size] * block_size + p % block_size for p in range(n - rows, n)]
         starts.append(starts[-1] + rows)
-    cache = torch.randn(2, sum(need) + 3, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    cache = to_cache_rows(torch.randn(2, sum(need) + 3, block_size, kv_heads, head_dim, generator=g), dtype)
     meta = AttentionMetadata(query_start_loc=starts, seq_lens=[n for n, _ in spans], block_tables=torch.tensor(tables),
                              slot_mapping=torch.tensor(slots), seq_lens_tensor=torch.tensor([n for n, _ in spans]),
                              block_size=block_size)
@@ -341,7 +366,7 @@ def test_layer_kernels_equal_the_torch_backend_with_options(dtype, window, softc
     torch.testing.assert_close(outputs["auto"], outputs["torch"], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("generic", [False, True])
 def test_fused_rotary_decode_with_qk_norms_equals_the_unfused_ops(dtype, generic):
     """q/k RMSNorms per head inside decode_rotary (Qwen3, Gemma 3) == the RMSNorm layers (their C path,
@@ -366,7 +391,7 @@ def test_fused_rotary_decode_with_qk_norms_equals_the_unfused_ops(dtype, generic
     q, k, v = qkv.view(len(lens), -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     q, k = apply_rotary(norms[0](q), *rope), apply_rotary(norms[1](k), *rope)
     for i, t in enumerate((k, v)):
-        unfused_cache[i].view(-1, kv_heads, head_dim).index_copy_(0, slots, t.to(dtype))
+        write_rows(unfused_cache[i], slots, t)
     expected = kernels.paged_decode(q, unfused_cache[0], unfused_cache[1], tables, seq_lens, head_dim**-0.5,
                                     generic=generic).view(len(lens), -1)
 
@@ -389,6 +414,7 @@ def tokens_and_logprobs(llm: LLM, prompts: list[list[int]], params: SamplingPara
 
 @pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
                          [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16"),
+                          ("llama", "Q4_1", "int8"), ("qwen3", "Q8_0", "int8"), ("gemma2", "Q8_0", "int8"),
                           ("qwen2", "Q5_0", "auto"),  # qwen2: q/k/v biases
                           # Qwen3: q/k norms inside the fused rotary kernel
                           ("qwen3", "Q8_0", "auto"), ("qwen3", "Q8_0", "float32"),
@@ -417,7 +443,8 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cac
 
 
 @pytest.mark.parametrize(("window", "softcap", "kv_cache_dtype"),
-                         [(6, None, "auto"), (6, 1.5, "float32"), (None, 1.5, "auto"), (1, None, "auto")])
+                         [(6, None, "auto"), (6, 1.5, "float32"), (None, 1.5, "auto"), (1, None, "auto"),
+                          (6, 1.5, "int8")])
 def test_decode_stack_equals_the_layer_loop_with_options(tiny_gguf_model, window, softcap, kv_cache_dtype):
     """A sliding window (ending inside blocks of 4, and shorter than the prompts) and a logit softcap set
     on every layer: the C stack takes them (a plan is built) and gives the layer loop's logprobs bit
@@ -612,7 +639,62 @@ def test_bf16_kv_cache_on_a_float32_model(tiny_hf_model):
     exact, rounded = prefill_logits(fp32, ids), prefill_logits(engines["auto"], ids)
     assert (rounded - exact).abs().max() < 0.05 * exact.abs().max()
     with pytest.raises(TokenmillError, match="kv_cache_dtype"):
-        make_engine(path, kv_cache_dtype="int8")
+        make_engine(path, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_int8_kv_rows_quantize_per_group(head_dim):
+    """quantize_kv: a (token, kv head) row becomes head_dim int8 values and a bfloat16 scale per group of 32
+    (80: a last group of 16), s = bf16(max |x| / 127); dequantized, every value is within half a step of
+    x (groups of very different magnitudes in one row: the scale is per group); a group's largest value
+    maps to +-127 (or 126 where bf16 rounded s up); a zero group stays zero."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, head_dim, generator=g)
+    x[..., :32] *= 300.0
+    x[..., 32:64] *= 0.01
+    x[2, 1, 32:64] = 0
+    rows = quantize_kv(x)
+    groups = -(-head_dim // 32)
+    assert rows.dtype == torch.int8 and rows.shape == (5, 3, kv_row_width(head_dim, torch.int8))
+    assert rows.shape[-1] == head_dim + 2 * groups   # llama.cpp q8_0's bytes: 34 per 32 values
+    scale = rows[..., head_dim:].contiguous().view(torch.bfloat16).float()
+    for i in range(groups):
+        expected = (x[..., 32 * i:32 * (i + 1)].abs().amax(-1) / 127).to(torch.bfloat16).float()
+        assert torch.equal(scale[..., i], expected)
+    step = scale.repeat_interleave(32, -1)[..., :head_dim]
+    back = dequantize_kv(rows)
+    assert back.shape == x.shape
+    assert ((back - x).abs() <= step / 2 + 1e-6 * x.abs()).all()
+    assert torch.equal(back[2, 1, 32:64], torch.zeros(32)) and scale[2, 1, 1].item() == 0
+    peaks = torch.stack([rows[..., 32 * i:min(32 * (i + 1), head_dim)].float().abs().amax(-1)
+                         for i in range(groups)], dim=-1)
+    assert ((peaks >= 126) | (scale == 0)).all()
+    # half-way values round to even, as the C kernels round (nearbyintf)
+    assert quantize_kv(torch.tensor([127.0, 2.5, -3.5, 0.5]))[:4].tolist() == [127, 2, -4, 0]
+
+
+def test_int8_kv_cache_on_a_float32_model(tiny_hf_model):
+    """kv_cache_dtype="int8": a row of head_dim bytes and a 2-byte scale per 32 of them per (token, kv
+    head), so a token costs (head_dim + 2 ceil(head_dim / 32)) / (4 head_dim) of a float32 cache; the C
+    kernels and the PyTorch reference read the same int8 cache and give the same tokens; the prefill
+    logits stay within the K/V rounding of the float32-cache model's."""
+    path = tiny_hf_model("llama")
+    fp32 = make_engine(path, block_size=4)
+    engines = {backend: make_engine(path, block_size=4, kv_cache_dtype="int8", attention_backend=backend)
+               for backend in ("auto", "torch")}
+    head_dim = fp32.model_config.head_dim
+    width = head_dim + 2 * -(-head_dim // 32)
+    cache = engines["auto"].kv_caches[0]
+    assert cache.dtype == torch.int8 and cache.shape == (*fp32.kv_caches[0].shape[:-1], width)
+    assert (kv_bytes_per_token(fp32.model_config, torch.int8) * 4 * head_dim
+            == kv_bytes_per_token(fp32.model_config, torch.float32) * width)
+    assert engines["auto"].runner.model.model.layers[0].self_attn.attn.uses_kernels()
+    prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
+    assert greedy(engines["auto"], prompts, 16) == greedy(engines["torch"], prompts, 16)
+    ids = list(range(5, 60))
+    exact, rounded = prefill_logits(fp32, ids), prefill_logits(engines["auto"], ids)
+    assert (rounded - exact).abs().max() < 0.05 * exact.abs().max()
+    assert not torch.equal(rounded, exact)
 
 
 @pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")

@@ -227,6 +227,21 @@ def test_preemption_storm_reproduces_solo_outputs(llama_path, storm_solo, prefix
     prompts, params, solo = storm_solo
     # The largest request needs 8 + 14 = 22 tokens = 6 blocks: the pool holds just that.
     engine = make_engine(llama_path, block_size=4, num_kv_blocks=6, enable_prefix_caching=prefix_caching)
+    check_storm(engine, prompts, params, solo)
+
+
+def test_preemption_storm_with_an_int8_cache(llama_path):
+    """The storm with an int8 cache: a preempted request recomputes its K/V in a prefill where they were
+    first written by decode steps; each value rounds to the same int8 step unless a last-bit
+    difference of the float32 model crosses a rounding boundary, and the outputs are the solo ones."""
+    solo_engine = make_engine(llama_path, block_size=4, num_kv_blocks=256, kv_cache_dtype="int8")
+    prompts, params = _storm_workload(solo_engine.model_config.vocab_size)
+    solo = [run(solo_engine, p, sp).output_token_ids for p, sp in zip(prompts, params, strict=True)]
+    check_storm(make_engine(llama_path, block_size=4, num_kv_blocks=6, kv_cache_dtype="int8"), prompts, params, solo)
+
+
+def check_storm(engine, prompts: list[list[int]], params: list[SamplingParams], solo: list[list[int]]) -> None:
+    """Every storm request at once on `engine`'s small pool: many preemptions, the solo outputs."""
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     steps = 0
     while engine.has_unfinished():
@@ -527,8 +542,10 @@ def _greedy_with_logprobs(engine, prompts: list[list[int]], max_tokens: int):
     return [(r.output_token_ids, r.logprobs) for r in _run_greedy(engine, prompts, max_tokens, 3)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind):
+@pytest.mark.parametrize(("kind", "kv_cache_dtype"),
+                         [("llama", "auto"), ("qwen3", "auto"), ("gemma2", "auto"), ("gemma3", "auto"),
+                          ("llama", "int8"), ("gemma3", "int8")])
+def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind, kv_cache_dtype):
     """On the quantized CPU path a row's output does not depend on the other rows, bit for bit: each
     request's greedy tokens and logprobs alone == packed with the others. Alone, its decodes run in
     decode-only steps (the C decode stack); packed, many share a step with another request's prefill
@@ -536,9 +553,10 @@ def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind):
     row takes the same C code on both paths; the q/k norms (Qwen3, Gemma 3) and the sandwich norms
     (Gemma 2/3) once ran in C in the stack and the fused rotary decode but in PyTorch in mixed steps.
     Prefix caching is off: a prompt whose first blocks come from the cache computes its last row alone,
-    with the decode kernel rather than the prefill kernel (another summation order)."""
+    with the decode kernel rather than the prefill kernel (another summation order). An int8 cache
+    quantizes the same K/V to the same bytes in the prefill path (PyTorch) and the decode path (C)."""
     engine = make_engine(tiny_gguf_model(kind, "Q8_0"), block_size=4, max_num_batched_tokens=16,
-                         enable_prefix_caching=False)
+                         enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     prompts = _prompts(engine.model_config.vocab_size, [1, 5, 12, 19, 8, 3, 16], seed=13)
     alone = [_greedy_with_logprobs(engine, [p], 12)[0] for p in prompts]
     assert isinstance(engine.model.model._plan, kernels.StackPlan)   # the quantized C path, stack included

@@ -23,9 +23,11 @@ import torch
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.loader import weight_forms
 
-MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32")
+MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32", "auto-kv-int8")
 # auto: quantization=None (GGUF types kept quantized; on CPU with a bfloat16 KV cache); bf16: dense
-# bfloat16 (the error of plain bf16 inference); auto-kv-f32: auto with kv_cache_dtype="float32"
+# bfloat16 (the error of plain bf16 inference); auto-kv-f32 / auto-kv-int8: auto with kv_cache_dtype
+# "float32" / "int8" (the cache's own cost, next to auto's bfloat16 one)
+KV_MODES = {"auto-kv-f32": "float32", "auto-kv-int8": "int8"}
 TEXT_PATH = Path(__file__).with_name("quality_text.txt")
 
 
@@ -55,8 +57,8 @@ class Scorer:
         kv_cache_dtype = "auto"
         if mode == "bf16":  # dense bf16, for scale: the error of plain bf16 inference
             mode, dtype = "none", "bfloat16"
-        elif mode == "auto-kv-f32":
-            mode, kv_cache_dtype = "auto", "float32"
+        elif mode in KV_MODES:
+            mode, kv_cache_dtype = "auto", KV_MODES[mode]
         llm = LLM(model_path, dtype=dtype, quantization=None if mode == "auto" else mode,
                   kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-context // block_size), block_size=block_size,
                   max_num_seqs=1)
@@ -141,8 +143,8 @@ def print_quality(report: dict[str, Any]) -> None:
         print(f"{r['mode']:<{width}}{r['weights_mib']:>12.1f}{r['load_s']:>8.2f}{ppl:>20}{r['max_abs_logit_err']:>13.4f}"
               f"{r['mean_abs_logit_err']:>14.5f}{r['mean_kl']:>10.2e}{100 * r['top1_agreement']:>12.2f}%  {forms}")
     print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized "
-          "(with a bfloat16 KV cache on CPU); auto-kv-f32 is auto with a float32 KV cache; bf16 is the dense model "
-          "in bfloat16")
+          "(with a bfloat16 KV cache on CPU); auto-kv-f32 / auto-kv-int8 are auto with a float32 / int8 KV cache; "
+          "bf16 is the dense model in bfloat16")
 
 
 def add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +155,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    "reference on every machine) | bfloat16 | auto")
     p.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"], choices=MODES,
                    help="quantization modes to compare (auto = GGUF types kept quantized, with a bfloat16 KV "
-                   "cache on CPU; auto-kv-f32 = auto with a float32 KV cache; bf16 = dense bfloat16, for scale); none "
+                   "cache on CPU; auto-kv-f32 / auto-kv-int8 = auto with a float32 / int8 KV cache; bf16 = dense "
+                   "bfloat16, for scale); none "
                    "(dense, --dtype) is the reference")
     p.add_argument("--context", type=int, default=1024, help="tokens per window of the text")
     p.add_argument("--chunk-size", type=int, default=32,

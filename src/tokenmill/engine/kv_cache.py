@@ -19,22 +19,24 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.request import Request
+from tokenmill.layers.attention import kv_row_width
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    """2 (K and V) x layers x kv_heads x a row's bytes (head_dim elements, plus an int8 row's scale)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * kv_row_width(cfg.head_dim, dtype) * dtype.itemsize
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, num_kv_heads: int | None = None) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer. On the CPU each is
+    """One zeroed [2, num_blocks, block_size, kv_heads, row] tensor per layer (layers/attention.py: a
+    row is head_dim elements, or an int8 row with its scale). On the CPU each is
     an anonymous memory mapping: the OS hands its pages out zeroed when first written, so the pool
     costs resident memory only for the blocks requests have used (a one-shot generation touches a
     few blocks of a pool sized for a server). Zeroed matters: the reference attention reads the
     unwritten tail of a request's last block (masked, but 0 x NaN would still be NaN).
     `num_kv_heads`: a tensor-parallel rank's (default: the model's)."""
-    shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
+    shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, kv_row_width(cfg.head_dim, dtype))
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     return [lazy_zeros(shape, dtype) for _ in range(cfg.num_layers)]

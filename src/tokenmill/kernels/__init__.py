@@ -61,10 +61,9 @@ def _cpu_flags() -> str:
 
 
 _DIR = Path(__file__).parent
-# decode attention entry points by KV-cache dtype
-_DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-_ROTARY_DECODE_FN = {torch.float32: "paged_decode_rotary_f32", torch.bfloat16: "paged_decode_rotary_bf16"}
-_PREFILL_FN = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
+# the attention kernels' kv_type argument (kernels.h TM_KV_*) by KV-cache dtype: torch.int8 is the
+# int8 cache with a scale per row (layers/attention.py quantize_kv)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def _compile(compiler: str) -> Path:
@@ -110,16 +109,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     """Argument and result types of every exported function."""
     i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     options = [f32, i64, f32]  # scale, sliding window, logit softcap
-    args = [ptr] * 4 + [i64, ptr, ptr] + [i64] * 5 + options + [i32, i32]
-    for name in _DECODE_FN.values():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = i32
-    for name in _ROTARY_DECODE_FN.values():  # ... softcap, q_norm, k_norm, qk_norm_eps, num_threads, generic
-        getattr(lib, name).argtypes = [ptr] * 6 + args[3:-2] + [ptr, ptr, f32] + args[-2:]
-        getattr(lib, name).restype = i32
-    for name in _PREFILL_FN.values():
-        getattr(lib, name).argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
-        getattr(lib, name).restype = i32
+    args = [ptr] * 3 + [i32, ptr, i64, ptr, ptr] + [i64] * 5 + options + [i32, i32]   # q, k, v, kv_type, ...
+    lib.paged_decode.argtypes = args
+    lib.paged_decode.restype = i32
+    # qkv, cos, sin, slots, k, v, kv_type, ... softcap, q_norm, k_norm, qk_norm_eps, num_threads, generic
+    lib.paged_decode_rotary.argtypes = [ptr] * 6 + args[3:-2] + [ptr, ptr, f32] + args[-2:]
+    lib.paged_decode_rotary.restype = i32
+    lib.paged_prefill.argtypes = [ptr, ptr, ptr, i32, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
+    lib.paged_prefill.restype = i32
     lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.quant_matmul.restype = i32
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
@@ -149,7 +146,7 @@ MAX_ROTARY_HEAD_DIM = 512  # paged_decode_rotary's stack buffer
 
 
 def supports_paged_decode(cache: torch.Tensor) -> bool:
-    return cache.device.type == "cpu" and cache.dtype in _DECODE_FN and load() is not None
+    return cache.device.type == "cpu" and cache.dtype in KV_TYPES and load() is not None
 
 
 def _options(scale: float, sliding_window: int | None, logit_softcap: float | None) -> tuple[float, int, float]:
@@ -165,10 +162,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, generic: bool = False, sliding_window: int | None = None,
                  logit_softcap: float | None = None) -> torch.Tensor:
     """q [B, heads, head_dim] -> fp32 [B, heads, head_dim]; caches [blocks, block_size, kv_heads,
-    head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64. Caller checks
-    supports_paged_decode(k_cache) first. `generic` runs the portable C loops (the tests' reference
-    for the AVX-512 path). Options as in layers/attention.Attention: `sliding_window` w (the query
-    sees the last w positions; only their blocks are read), `logit_softcap` c."""
+    row] (head_dim values, or an int8 cache's layers.attention.kv_row_width); block_tables [B,
+    max_blocks] and seq_lens [B] int64. Caller checks supports_paged_decode(k_cache) first. `generic`
+    runs the portable C loops (the tests' reference for the AVX-512 path). Options as in
+    layers/attention.Attention: `sliding_window` w (the query sees the last w positions; only their
+    blocks are read), `logit_softcap` c."""
     lib = load()
     q = q.float().contiguous()
     block_tables = block_tables.contiguous()
@@ -177,9 +175,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    failed = getattr(lib, _DECODE_FN[k_cache.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
+    failed = lib.paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
         *_options(scale, sliding_window, logit_softcap), torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory for the score buffer")
@@ -198,17 +196,18 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     paged_decode); returns fp32 [B, heads * head_dim]: the same bits as the unfused ops (rms_norm,
     apply_rotary, the cache write, paged_decode). Caller checks supports_paged_decode."""
     lib = load()
-    _, block_size, kv_heads, head_dim = k_cache.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    head_dim = cos.shape[-1]
     assert head_dim <= MAX_ROTARY_HEAD_DIM and k_cache.is_contiguous() and v_cache.is_contiguous()
     qkv, cos, sin = (t.float().contiguous() for t in (qkv, cos, sin))
     q_norm, k_norm, eps = (None, None, 0.0) if qk_norm is None else (
         qk_norm[0].float().contiguous(), qk_norm[1].float().contiguous(), qk_norm[2])
     batch = qkv.shape[0]
     out = torch.empty(batch, heads * head_dim)
-    failed = getattr(lib, _ROTARY_DECODE_FN[k_cache.dtype])(
+    failed = lib.paged_decode_rotary(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), batch, heads,
-        kv_heads, head_dim, block_size, *_options(scale, sliding_window, logit_softcap), pointer(q_norm),
+        KV_TYPES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
+        batch, heads, kv_heads, head_dim, block_size, *_options(scale, sliding_window, logit_softcap), pointer(q_norm),
         pointer(k_norm), eps, torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory")
@@ -229,10 +228,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_q, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    status = getattr(lib, _PREFILL_FN[k_cache.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), seq_len, num_q, out.data_ptr(),
-        heads, kv_heads, head_dim, block_size, *_options(scale, sliding_window, logit_softcap),
-        torch.get_num_threads())
+    status = lib.paged_prefill(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], block_table.data_ptr(),
+        seq_len, num_q, out.data_ptr(), heads, kv_heads, head_dim, block_size,
+        *_options(scale, sliding_window, logit_softcap), torch.get_num_threads())
     if status == 1:
         raise MemoryError("paged prefill attention: out of memory")
     return None if status < 0 else out
@@ -340,7 +339,7 @@ class QuantWeightPlan(ctypes.Structure):
 class AttentionPlan(ctypes.Structure):
     _fields_ = [("qkv", QuantWeightPlan), ("o", QuantWeightPlan), ("qkv_bias", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_bf16", ctypes.c_int64),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_type", ctypes.c_int64),
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("sliding_window", ctypes.c_int64), ("logit_softcap", ctypes.c_float),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_norm_eps", ctypes.c_float)]

@@ -1,35 +1,79 @@
-/* What the attention units (paged_decode.c, paged_prefill.c) share: K/V element access by cache
- * dtype, the softmax and softcap steps over score rows.
+/* What the attention units (paged_decode.c, paged_prefill.c) share: K/V row access by cache type
+ * (kernels.h TM_KV_*), the softmax and softcap steps over score rows.
  *
- * The cache dtype is an `int kv_bf16` argument rather than a type: the functions that loop over
- * elements are inlined where it is a constant, so each dtype gets its own loop without one being
- * written per dtype. */
+ * The cache type is an `int kv_type` argument rather than a C type: the functions that loop over
+ * elements are inlined where it is a constant, so each type gets its own loop without one being
+ * written per type. Offsets into a cache count its elements (bytes for int8), and a row of a
+ * (token, kv head) is kv_row_elems(head_dim) of them. */
 #ifndef TOKENMILL_ATTENTION_H
 #define TOKENMILL_ATTENTION_H
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define MAX_CHUNKS 16   /* the AVX-512 paths hold a head in at most 16 vectors: head_dim <= 256 */
 
-/* Element i of a K/V cache (float32 or bfloat16) as float32. */
-static inline float kv_load(const void *p, int64_t i, const int kv_bf16) {
-    if (!kv_bf16) return ((const float *)p)[i];
+static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } c;
-    c.u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    c.u = (uint32_t)h << 16;
     return c.f;
 }
 
-/* Stores x as element i of a K/V cache; bfloat16 rounds to nearest even, as torch does. */
-static inline void kv_store(void *p, int64_t i, float x, const int kv_bf16) {
-    if (!kv_bf16) {
-        ((float *)p)[i] = x;
-        return;
-    }
+/* x rounded to bfloat16, to nearest even, as torch rounds it. */
+static inline uint16_t float_to_bf16(float x) {
     union { float f; uint32_t u; } c = {x};
-    ((uint16_t *)p)[i] = isnan(x) ? (uint16_t)0x7fc0 : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+    return isnan(x) ? (uint16_t)0x7fc0 : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* Elements per cache row: an int8 row carries a bf16 scale per group after its values. */
+static inline int64_t kv_row_elems(int64_t head_dim, const int kv_type) {
+    return kv_type == TM_KV_I8 ? head_dim + 2 * ((head_dim + TM_KV_GROUP - 1) / TM_KV_GROUP) : head_dim;
+}
+
+static inline int kv_elem_bytes(const int kv_type) {
+    return kv_type == TM_KV_F32 ? 4 : kv_type == TM_KV_BF16 ? 2 : 1;
+}
+
+/* The scale of group g of the int8 row starting at element `row`. */
+static inline float kv_group_scale(const void *p, int64_t row, int64_t head_dim, int64_t g) {
+    uint16_t h;
+    memcpy(&h, (const int8_t *)p + row + head_dim + 2 * g, sizeof h);
+    return bf16_to_float(h);
+}
+
+/* Value d of the cache row starting at element `row`, as float32 (an int8 one times its group's scale). */
+static inline float kv_value(const void *p, int64_t row, int64_t d, int64_t head_dim, const int kv_type) {
+    if (kv_type == TM_KV_F32) return ((const float *)p)[row + d];
+    if (kv_type == TM_KV_BF16) return bf16_to_float(((const uint16_t *)p)[row + d]);
+    return (float)((const int8_t *)p)[row + d] * kv_group_scale(p, row, head_dim, d / TM_KV_GROUP);
+}
+
+/* x [n] as the cache row starting at element `row` (int8: quantized as kernels.h says; a zero
+ * group gets scale 0). */
+static inline void kv_store_row(void *p, int64_t row, const float *x, int64_t n, const int kv_type) {
+    if (kv_type == TM_KV_F32) {
+        memcpy((float *)p + row, x, sizeof(float) * (size_t)n);
+    } else if (kv_type == TM_KV_BF16) {
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[row + i] = float_to_bf16(x[i]);
+    } else {
+        int8_t *q = (int8_t *)p + row;
+        for (int64_t g0 = 0; g0 < n; g0 += TM_KV_GROUP) {
+            const int64_t end = g0 + TM_KV_GROUP < n ? g0 + TM_KV_GROUP : n;
+            float amax = 0.0f;
+            for (int64_t i = g0; i < end; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const uint16_t h = float_to_bf16(amax / 127.0f);
+            const float s = bf16_to_float(h);
+            for (int64_t i = g0; i < end; i++) {
+                const float r = s > 0.0f ? nearbyintf(x[i] / s) : 0.0f;
+                q[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+            memcpy(q + n + 2 * (g0 / TM_KV_GROUP), &h, sizeof h);
+        }
+    }
 }
 
 /* A score after the softmax scale, through the logit softcap c (0: none): c tanh(s / c), in the
@@ -39,34 +83,39 @@ static inline float softcap_score(float s, float softcap) {
 }
 
 #ifdef HAVE_AVX512
-/* 16 elements of a K/V cache from element i, as float32. */
-static inline __m512 kv_loadv(const void *p, int64_t i, const int kv_bf16) {
-    if (!kv_bf16) return _mm512_loadu_ps((const float *)p + i);
+/* 16 elements of a float32 or bfloat16 cache from element i, as float32. */
+static inline __m512 kv_loadv(const void *p, int64_t i, const int kv_type) {
+    if (kv_type == TM_KV_F32) return _mm512_loadu_ps((const float *)p + i);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* Row order. A K or V row of CH x 16 elements comes as CH float32 vectors: for a bfloat16 cache, each
  * 32 elements (one 64-byte load) as two vectors, their even elements then their odd ones (a shift
- * and a mask: no conversion instructions); a float32 cache's rows, and an odd last 16 elements, in
- * their own order. A dot product with a row does not care about the order when the other operand
- * is in it too (to_row_order), and sums of rows come out in it (from_row_order). */
-static ALWAYS_INLINE void kv_row(const int CH, const int kv_bf16, const void *p, int64_t i, __m512 *out) {
+ * and a mask: no conversion instructions); float32 and int8 rows (int8 values times their group's
+ * scale: the same bits as dequantizing in PyTorch), and an odd last 16 elements, in their own order. A dot
+ * product with a row does not care about the order when the other operand is in it too
+ * (to_row_order), and sums of rows come out in it (from_row_order). */
+static ALWAYS_INLINE void kv_row(const int CH, const int kv_type, const void *p, int64_t i, __m512 *out) {
     for (int c = 0; c < CH; c++) {
-        if (kv_bf16 && c + 1 < CH) {
+        if (kv_type == TM_KV_I8) {   /* 16 values of group c / 2 (groups of 32 = 2 vectors) */
+            const __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)p + i + 16 * c));
+            out[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                                   _mm512_set1_ps(kv_group_scale(p, i, 16 * CH, c / 2)));
+        } else if (kv_type == TM_KV_BF16 && c + 1 < CH) {
             const __m512i x = _mm512_loadu_si512((const uint16_t *)p + i + 16 * c);
             out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
             out[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
             c++;
         } else {
-            out[c] = kv_loadv(p, i + 16 * c, kv_bf16);
+            out[c] = kv_loadv(p, i + 16 * c, kv_type);
         }
     }
 }
 
 /* CH float32 vectors (a row of 16 CH values) in kv_row's order, in place. */
-static ALWAYS_INLINE void to_row_order(const int CH, const int kv_bf16, __m512 *x) {
-    if (!kv_bf16) return;
+static ALWAYS_INLINE void to_row_order(const int CH, const int kv_type, __m512 *x) {
+    if (kv_type != TM_KV_BF16) return;
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     for (int c = 0; c + 1 < CH; c += 2) {
@@ -77,8 +126,8 @@ static ALWAYS_INLINE void to_row_order(const int CH, const int kv_bf16, __m512 *
 }
 
 /* The inverse of to_row_order. */
-static ALWAYS_INLINE void from_row_order(const int CH, const int kv_bf16, __m512 *x) {
-    if (!kv_bf16) return;
+static ALWAYS_INLINE void from_row_order(const int CH, const int kv_type, __m512 *x) {
+    if (kv_type != TM_KV_BF16) return;
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     for (int c = 0; c + 1 < CH; c += 2) {

@@ -50,8 +50,9 @@ static int block_output(const tm_quant_weight *w, const float *a, int64_t batch,
 }
 
 static int valid_plan(const tm_layer_plan *layer, const float *cos_local) {
-    const int64_t act = layer->mlp.activation;
-    return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL);
+    const int64_t act = layer->mlp.activation, kv = layer->attn.kv_type;
+    return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL)
+           && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8);
 }
 
 /* x [batch, hidden] fp32, updated in place: for each layer,
@@ -90,9 +91,9 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
                 for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += a->qkv_bias[j];
         }
         failed = failed
-              || (a->kv_bf16 ? paged_decode_rotary_bf16 : paged_decode_rotary_f32)(
+              || paged_decode_rotary(
                      qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, slots,
-                     a->k_cache, a->v_cache, block_tables, max_blocks, seq_lens, attn, batch, a->heads, a->kv_heads,
+                     a->k_cache, a->v_cache, (int)a->kv_type, block_tables, max_blocks, seq_lens, attn, batch, a->heads, a->kv_heads,
                      a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm, a->k_norm,
                      a->qk_norm_eps, num_threads, 0);
         if (!failed)

@@ -1,8 +1,8 @@
 /* The C kernels' one header: the plan structs that Python builds (kernels/__init__.py mirrors them
  * with ctypes; tests/test_kernels.py checks the sizes agree) and every exported function, each
  * defined in one unit:
- *   paged_decode.c   paged_decode_*, paged_decode_rotary_*
- *   paged_prefill.c  paged_prefill_*
+ *   paged_decode.c   paged_decode, paged_decode_rotary
+ *   paged_prefill.c  paged_prefill
  *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
  *   dense_matmul.c   bf16_matmul
  *   kernels.c        decode_stack, plan_struct_size
@@ -26,6 +26,14 @@ typedef struct {
     int64_t bits;               /* 4 or 8 */
 } tm_quant_weight;
 
+/* K/V cache element types. A float32 or bfloat16 row of a (token, kv head) is its head_dim values. An
+ * int8 row is head_dim int8 values q, then one bfloat16 scale s per group of TM_KV_GROUP values (the
+ * last group may be shorter), each value being q * s: each group quantized symmetrically,
+ * s = bf16(max |x| / 127), q = round-half-even(x / s) clamped to +-127; llama.cpp's q8_0 in
+ * granularity and bytes (layers/attention.py quantize_kv, the same bits). */
+enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_I8 = 2 };
+#define TM_KV_GROUP 32
+
 /* x + o_proj(attention(rotary(qk_norm(qkv_proj(rmsnorm(x)) + qkv_bias)))) for one decode step, K/V
  * written to the cache. Built by layers/self_attention.py (RotaryAttention.plan) only for options this
  * code implements. */
@@ -35,8 +43,8 @@ typedef struct {
     const float *norm;          /* the input RMSNorm's weight [hidden] */
     float norm_eps;
     float scale;                /* softmax scale of the scores */
-    void *k_cache, *v_cache;    /* [num_blocks, block_size, kv_heads, head_dim] */
-    int64_t kv_bf16;            /* cache dtype: 1 bfloat16, 0 float32 */
+    void *k_cache, *v_cache;    /* [num_blocks, block_size, kv_heads, row] (TM_KV_* rows) */
+    int64_t kv_type;            /* the cache's TM_KV_* type */
     int64_t heads, kv_heads, head_dim, block_size;
     int64_t sliding_window;     /* w: the query at p sees keys p - w < k <= p; 0: all keys */
     float logit_softcap;        /* c: scores -> c tanh(scores / c) after the scale; 0: none */
@@ -124,37 +132,25 @@ int32_t shm_all_reduce(const tm_shm *shm, void *x, int64_t n, int32_t bf16);
 int64_t shm_header_bytes(void);
 
 /* Decode attention, one query row per request (paged_decode.c): q/out [batch, heads, head_dim] fp32,
- * k/v [num_blocks, block_size, kv_heads, head_dim] (the _f32 / _bf16 cache dtype), block_tables
+ * k/v [num_blocks, block_size, kv_heads, row] (rows of the TM_KV_* kv_type), block_tables
  * [batch, max_blocks], seq_lens [batch]. window: sliding window (0: none); softcap: logit softcap
- * (0: none); generic: force the portable C path. Return 1 if out of memory. */
-int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t *block_tables, int64_t max_blocks,
-                     const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                     int num_threads, int generic);
-int paged_decode_bf16(const float *q, const void *k, const void *v, const int64_t *block_tables, int64_t max_blocks,
-                      const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                      int num_threads, int generic);
+ * (0: none); generic: force the portable C path. Return 1 if out of memory, 2 for an unknown kv_type. */
+int paged_decode(const float *q, const void *k, const void *v, int kv_type, const int64_t *block_tables,
+                 int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                 int num_threads, int generic);
 /* The same from the fused projection qkv [batch, (heads + 2 kv_heads) head_dim]: q/k RMSNorms per
  * head (q_norm / k_norm weights [head_dim], or NULL), rotary (cos/sin [batch, head_dim]), K/V written
- * to slots [batch], then attention; out [batch, heads * head_dim]. */
-int paged_decode_rotary_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
-                            void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
-                            float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int64_t window, float softcap, const float *q_norm,
-                            const float *k_norm, float qk_norm_eps, int num_threads, int generic);
-int paged_decode_rotary_bf16(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
-                             void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
-                             float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t block_size, float scale, int64_t window, float softcap, const float *q_norm,
-                             const float *k_norm, float qk_norm_eps, int num_threads, int generic);
+ * to slots [batch] (an int8 cache quantizes each row), then attention; out [batch, heads * head_dim]. */
+int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
+                        void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
+                        const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                        const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic);
 /* Causal prefill attention of one request's last num_q positions (paged_prefill.c, AVX-512 builds):
  * q/out [num_q, heads, head_dim], table its block table. Returns -1 where it does not apply. */
-int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
-                      int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, float scale, int64_t window, float softcap, int num_threads);
-int paged_prefill_bf16(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
-                       int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, float scale, int64_t window, float softcap, int num_threads);
+int paged_prefill(const float *q, const void *k, const void *v, int kv_type, const int64_t *table, int64_t seq_len,
+                  int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                  float scale, int64_t window, float softcap, int num_threads);
 
 #endif

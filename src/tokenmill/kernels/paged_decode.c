@@ -3,7 +3,8 @@
  * One task per (request, kv head): its `group` query heads share every K/V row the task reads,
  * so each cached byte is read once per step. Pass 1 scores the request's tokens block by block
  * (straight from the cache: no gather, no padding to the longest request), pass 2 takes the
- * softmax and accumulates V. All arithmetic is fp32; K/V are fp32 or bf16.
+ * softmax and accumulates V. All arithmetic is fp32; K/V are fp32, bf16 or int8 rows with a scale
+ * (kernels.h TM_KV_*), each row converted to fp32 as it is read.
  *
  * Options: a sliding window w (the query at position len - 1 sees positions len - w .. len - 1:
  * the task starts at the block holding len - w and never reads the blocks before it) and a logit
@@ -15,7 +16,7 @@
  *
  * Layouts (row-major, contiguous):
  *   q, out        [batch, heads, head_dim] fp32
- *   k, v          [num_blocks, block_size, kv_heads, head_dim] (one layer's cache)
+ *   k, v          [num_blocks, block_size, kv_heads, row] (one layer's cache; attention.h kv_row_elems)
  *   block_tables  [batch, max_blocks] int64;  seq_lens [batch] int64
  */
 #include <stdlib.h>
@@ -71,26 +72,27 @@ static inline int64_t slot_end(const decode_task *t, int64_t blk) {
     return s < t->block_size ? s : t->block_size;
 }
 
-/* Where the task's kv head's vector of cache slot `slot` starts in a K or V cache (in elements);
- * head_dim is an argument so that the AVX-512 tasks pass their compile-time constant. */
-static ALWAYS_INLINE int64_t kv_offset(const decode_task *t, int64_t slot, int64_t head_dim) {
-    return (slot * t->kv_heads + t->kh) * head_dim;
+/* Where the task's kv head's row of cache slot `slot` starts in a K or V cache (in elements; `row`:
+ * elements per row, an argument so that the AVX-512 tasks pass their compile-time constant). */
+static ALWAYS_INLINE int64_t kv_offset(const decode_task *t, int64_t slot, int64_t row) {
+    return (slot * t->kv_heads + t->kh) * row;
 }
 
 /* ---- portable C ---- */
 
-static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_task *task, float *scores) {
+static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_task *task, float *scores) {
     const decode_task t = *task;   /* a local copy: stores to the scores cannot alias its fields */
     const int64_t n = t.len - t.first, head_dim = t.head_dim, bs = t.block_size;
+    const int64_t width = kv_row_elems(head_dim, kv_type);
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
         const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, width);
             for (int64_t g = 0; g < t.group; g++) {
                 const float *qg = t.q + g * head_dim;
                 float acc = 0.0f;
                 #pragma omp simd reduction(+:acc)
-                for (int64_t d = 0; d < head_dim; d++) acc += qg[d] * kv_load(t.k, row + d, kv_bf16);
+                for (int64_t d = 0; d < head_dim; d++) acc += qg[d] * kv_value(t.k, row, d, head_dim, kv_type);
                 scores[g * n + i] = softcap_score(acc * t.scale, t.softcap);
             }
         }
@@ -108,12 +110,12 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_bf16, const decode_ta
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
         const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, head_dim);
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, width);
             for (int64_t g = 0; g < t.group; g++) {
                 const float p = scores[g * n + i];
                 float *og = t.out + g * head_dim;
                 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) og[d] += p * kv_load(t.v, row + d, kv_bf16);
+                for (int64_t d = 0; d < head_dim; d++) og[d] += p * kv_value(t.v, row, d, head_dim, kv_type);
             }
         }
     }
@@ -132,22 +134,22 @@ static inline int64_t prefetch_distance(const decode_task *t) {   /* in blocks *
     return (PREFETCH_TOKENS + t->block_size - 1) / t->block_size;
 }
 
-/* Ask for the task's rows of block `blk` (elem: bytes per cache element). Always inlined: as a
- * function of its own it has no effect the compiler can see (a prefetch changes no memory), so its
- * calls would be removed as dead code. */
-static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t, int64_t blk, const int64_t head_dim,
+/* Ask for the task's rows of block `blk` (row: elements per row, elem: bytes per element). Always
+ * inlined: as a function of its own it has no effect the compiler can see (a prefetch changes no
+ * memory), so its calls would be removed as dead code. */
+static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
                                          const int elem) {
     if (blk * t->block_size >= t->len) return;
-    const char *block = (const char *)cache + t->table[blk] * t->block_size * t->kv_heads * head_dim * elem;
+    const char *block = (const char *)cache + t->table[blk] * t->block_size * t->kv_heads * row * elem;
     for (int64_t r = 0; r < t->block_size; r++)
-        for (int64_t b = 0; b < head_dim * elem; b += 64)
-            _mm_prefetch(block + kv_offset(t, r, head_dim) * elem + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < row * elem; b += 64)
+            _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T0);
 }
 
 /* The prefetches of a task's start: blocks blk + 1 .. blk + prefetch_distance. */
-static ALWAYS_INLINE void prefetch_start(const void *cache, const decode_task *t, int64_t blk, const int64_t head_dim,
+static ALWAYS_INLINE void prefetch_start(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
                                          const int elem) {
-    for (int64_t b = 1; b <= prefetch_distance(t); b++) prefetch_block(cache, t, blk + b, head_dim, elem);
+    for (int64_t b = 1; b <= prefetch_distance(t); b++) prefetch_block(cache, t, blk + b, row, elem);
 }
 
 /* The 8 horizontal sums of a[0..7], in order: a transposing tree of shuffles and adds (about 3
@@ -174,30 +176,30 @@ static ALWAYS_INLINE __m256 sum8(const __m512 *a) {
  *   V sums: heads in blocks of 24 / CH (at most 24 accumulators: independent FMA chains), the V row
  *   loaded once per block of heads.
  * scratch: the scores [group][padded], then the queries in row order [group][CH] vectors. */
-static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, const decode_task *task, float *scratch,
+static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_type, const decode_task *task, float *scratch,
                                              int64_t padded) {
     const decode_task t = *task;   /* a local copy: stores to the scores cannot alias its fields */
-    const int64_t head_dim = 16 * CH, bs = t.block_size, n = t.len - t.first;
-    const int elem = kv_bf16 ? 2 : 4;
+    const int64_t head_dim = 16 * CH, bs = t.block_size, n = t.len - t.first, row = kv_row_elems(head_dim, kv_type);
+    const int elem = kv_elem_bytes(kv_type);
     float *scores = scratch;
     __m512 *q = (__m512 *)(scratch + t.group * padded);
     for (int64_t g = 0; g < t.group; g++) {
         #pragma GCC unroll 16
         for (int c = 0; c < CH; c++) q[g * CH + c] = _mm512_loadu_ps(t.q + g * head_dim + 16 * c);
-        to_row_order(CH, kv_bf16, q + g * CH);
+        to_row_order(CH, kv_type, q + g * CH);
     }
     __m512 kbuf[8 * 16];   /* 8 tokens' K rows */
     for (int i = 0; i < 8 * CH; i++) kbuf[i] = _mm512_setzero_ps();
     const int64_t ahead = prefetch_distance(&t);
     int64_t blk = t.first / bs, slot = t.first % bs;
-    prefetch_start(t.k, &t, blk, head_dim, elem);
+    prefetch_start(t.k, &t, blk, row, elem);
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         const int nk = n - i0 < 8 ? (int)(n - i0) : 8;
         for (int j = 0; j < nk; j++) {
-            kv_row(CH, kv_bf16, t.k, kv_offset(&t, t.table[blk] * bs + slot, head_dim), kbuf + j * CH);
+            kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk] * bs + slot, row), kbuf + j * CH);
             if (++slot == bs) {
                 slot = 0;
-                prefetch_block(t.k, &t, ++blk + ahead, head_dim, elem);
+                prefetch_block(t.k, &t, ++blk + ahead, row, elem);
             }
         }
         for (int64_t g = 0; g < t.group; g++) {
@@ -235,14 +237,14 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
         for (int j = 0; j < HB; j++)
             #pragma GCC unroll 16
             for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_setzero_ps();
-        prefetch_start(t.v, &t, t.first / bs, head_dim, elem);
+        prefetch_start(t.v, &t, t.first / bs, row, elem);
         for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-            prefetch_block(t.v, &t, blk + ahead, head_dim, elem);
+            prefetch_block(t.v, &t, blk + ahead, row, elem);
             const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
                 const int64_t i = blk * bs + s - t.first;
                 __m512 vr[16];
-                kv_row(CH, kv_bf16, t.v, kv_offset(&t, base + s, head_dim), vr);
+                kv_row(CH, kv_type, t.v, kv_offset(&t, base + s, row), vr);
                 #pragma GCC unroll 24
                 for (int j = 0; j < HB; j++) {
                     if (j < heads) {
@@ -256,7 +258,7 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
         #pragma GCC unroll 24
         for (int j = 0; j < HB; j++)
             if (j < heads) {
-                from_row_order(CH, kv_bf16, acc + j * CH);
+                from_row_order(CH, kv_type, acc + j * CH);
                 #pragma GCC unroll 16
                 for (int c = 0; c < CH; c++) _mm512_storeu_ps(t.out + (g0 + j) * head_dim + 16 * c, acc[j * CH + c]);
             }
@@ -264,48 +266,53 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_bf16, co
 }
 
 /* The task's code for its head_dim (a multiple of 16, at most 16 * MAX_CHUNKS). */
-static ALWAYS_INLINE void run_task_avx512(const int kv_bf16, const decode_task *t, float *scores, int64_t padded) {
+static ALWAYS_INLINE void run_task_avx512(const int kv_type, const decode_task *t, float *scores, int64_t padded) {
     switch (t->head_dim / 16) {
-        case 1: decode_task_avx512(1, kv_bf16, t, scores, padded); break;
-        case 2: decode_task_avx512(2, kv_bf16, t, scores, padded); break;
-        case 3: decode_task_avx512(3, kv_bf16, t, scores, padded); break;
-        case 4: decode_task_avx512(4, kv_bf16, t, scores, padded); break;
-        case 5: decode_task_avx512(5, kv_bf16, t, scores, padded); break;
-        case 6: decode_task_avx512(6, kv_bf16, t, scores, padded); break;
-        case 7: decode_task_avx512(7, kv_bf16, t, scores, padded); break;
-        case 8: decode_task_avx512(8, kv_bf16, t, scores, padded); break;
-        case 9: decode_task_avx512(9, kv_bf16, t, scores, padded); break;
-        case 10: decode_task_avx512(10, kv_bf16, t, scores, padded); break;
-        case 11: decode_task_avx512(11, kv_bf16, t, scores, padded); break;
-        case 12: decode_task_avx512(12, kv_bf16, t, scores, padded); break;
-        case 13: decode_task_avx512(13, kv_bf16, t, scores, padded); break;
-        case 14: decode_task_avx512(14, kv_bf16, t, scores, padded); break;
-        case 15: decode_task_avx512(15, kv_bf16, t, scores, padded); break;
-        case 16: decode_task_avx512(16, kv_bf16, t, scores, padded); break;
+        case 1: decode_task_avx512(1, kv_type, t, scores, padded); break;
+        case 2: decode_task_avx512(2, kv_type, t, scores, padded); break;
+        case 3: decode_task_avx512(3, kv_type, t, scores, padded); break;
+        case 4: decode_task_avx512(4, kv_type, t, scores, padded); break;
+        case 5: decode_task_avx512(5, kv_type, t, scores, padded); break;
+        case 6: decode_task_avx512(6, kv_type, t, scores, padded); break;
+        case 7: decode_task_avx512(7, kv_type, t, scores, padded); break;
+        case 8: decode_task_avx512(8, kv_type, t, scores, padded); break;
+        case 9: decode_task_avx512(9, kv_type, t, scores, padded); break;
+        case 10: decode_task_avx512(10, kv_type, t, scores, padded); break;
+        case 11: decode_task_avx512(11, kv_type, t, scores, padded); break;
+        case 12: decode_task_avx512(12, kv_type, t, scores, padded); break;
+        case 13: decode_task_avx512(13, kv_type, t, scores, padded); break;
+        case 14: decode_task_avx512(14, kv_type, t, scores, padded); break;
+        case 15: decode_task_avx512(15, kv_type, t, scores, padded); break;
+        case 16: decode_task_avx512(16, kv_type, t, scores, padded); break;
         default: break;
     }
 }
 
-/* One out-of-line function per cache dtype, so that neither's register allocation is shared with the
- * caller's loop or the other dtype's code. */
+/* One out-of-line function per cache type, so that none's register allocation is shared with the
+ * caller's loop or another type's code. */
 __attribute__((noinline)) static void run_task_avx512_f32(const decode_task *t, float *scores, int64_t padded) {
-    run_task_avx512(0, t, scores, padded);
+    run_task_avx512(TM_KV_F32, t, scores, padded);
 }
 
 __attribute__((noinline)) static void run_task_avx512_bf16(const decode_task *t, float *scores, int64_t padded) {
-    run_task_avx512(1, t, scores, padded);
+    run_task_avx512(TM_KV_BF16, t, scores, padded);
+}
+
+__attribute__((noinline)) static void run_task_avx512_i8(const decode_task *t, float *scores, int64_t padded) {
+    run_task_avx512(TM_KV_I8, t, scores, padded);
 }
 #endif
 
 /* One task's attention, into t->out (and t->stats when split). Returns 1 if out of memory. */
-static int run_task(const decode_task *t, int kv_bf16, int use_avx512) {
+static int run_task(const decode_task *t, int kv_type, int use_avx512) {
     const int64_t n = t->len - t->first;
 #ifdef HAVE_AVX512
     if (use_avx512) {
         const int64_t padded = (n + 15) / 16 * 16;   /* the scores, then the queries (decode_task_avx512) */
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)((padded + t->head_dim) * t->group));
         if (scores == NULL) return 1;
-        if (kv_bf16) run_task_avx512_bf16(t, scores, padded);
+        if (kv_type == TM_KV_BF16) run_task_avx512_bf16(t, scores, padded);
+        else if (kv_type == TM_KV_I8) run_task_avx512_i8(t, scores, padded);
         else run_task_avx512_f32(t, scores, padded);
         free(scores);
         return 0;
@@ -315,8 +322,9 @@ static int run_task(const decode_task *t, int kv_bf16, int use_avx512) {
 #endif
     float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n * t->group : 1));
     if (scores == NULL) return 1;
-    if (kv_bf16) decode_task_generic(1, t, scores);
-    else decode_task_generic(0, t, scores);
+    if (kv_type == TM_KV_BF16) decode_task_generic(TM_KV_BF16, t, scores);
+    else if (kv_type == TM_KV_I8) decode_task_generic(TM_KV_I8, t, scores);
+    else decode_task_generic(TM_KV_F32, t, scores);
     free(scores);
     return 0;
 }
@@ -361,7 +369,7 @@ static void combine_runs(const decode_step *a, int64_t b, int64_t runs, const fl
 
 /* Every (request, kv head) task of the step in parallel, split as above when there are too few.
  * Returns 1 if out of memory. */
-static int decode(const decode_step *a, int kv_bf16, int generic, int num_threads) {
+static int decode(const decode_step *a, int kv_type, int generic, int num_threads) {
 #ifdef HAVE_AVX512
     const int use_avx512 = !generic && a->head_dim % 16 == 0 && a->head_dim <= 16 * MAX_CHUNKS;
 #else
@@ -406,7 +414,7 @@ static int decode(const decode_step *a, int kv_bf16, int generic, int num_thread
                         t.out = part + at * a->head_dim;
                         t.stats = stats + at * 2;
                     }
-                    if (run_task(&t, kv_bf16, use_avx512)) {
+                    if (run_task(&t, kv_type, use_avx512)) {
                         #pragma omp atomic write
                         failed = 1;
                     }
@@ -423,22 +431,18 @@ static int decode(const decode_step *a, int kv_bf16, int generic, int num_thread
     return failed;
 }
 
-int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t *block_tables, int64_t max_blocks,
-                     const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                     int num_threads, int generic) {
-    const decode_step a = {q, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
-                           block_size, window, scale, softcap};
-    return decode(&a, 0, generic, num_threads);
+static int valid_kv_type(int kv_type) {
+    return kv_type == TM_KV_F32 || kv_type == TM_KV_BF16 || kv_type == TM_KV_I8;
 }
 
-int paged_decode_bf16(const float *q, const void *k, const void *v, const int64_t *block_tables, int64_t max_blocks,
-                      const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                      int num_threads, int generic) {
+int paged_decode(const float *q, const void *k, const void *v, int kv_type, const int64_t *block_tables,
+                 int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                 int num_threads, int generic) {
+    if (!valid_kv_type(kv_type)) return 2;
     const decode_step a = {q, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
                            block_size, window, scale, softcap};
-    return decode(&a, 1, generic, num_threads);
+    return decode(&a, kv_type, generic, num_threads);
 }
 
 /* ---- decode with the rotary embedding and the cache write fused in ----
@@ -468,19 +472,11 @@ static void norm_rotate(const float *x, const float *w, float eps, const float *
     rotate(x, cos, sin, d, out);
 }
 
-/* x [n] to the cache from element `at`. */
-static void store_row(void *cache, int64_t at, const float *x, int64_t n, int kv_bf16) {
-    if (!kv_bf16) {
-        memcpy((float *)cache + at, x, sizeof(float) * (size_t)n);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) kv_store(cache, at + i, x[i], 1);
-}
-
 static int decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                          void *v, const float *q_norm, const float *k_norm, float norm_eps, decode_step *a,
-                         int kv_bf16, int generic, int num_threads) {
+                         int kv_type, int generic, int num_threads) {
     const int64_t heads = a->heads, kv_heads = a->kv_heads, head_dim = a->head_dim;
+    const int64_t kv_row = kv_row_elems(head_dim, kv_type);
     const int64_t width = (heads + 2 * kv_heads) * head_dim;
     float *q = malloc(sizeof(float) * (size_t)(a->batch * heads * head_dim));
     if (q == NULL) return 1;
@@ -492,34 +488,25 @@ static int decode_rotary(const float *qkv, const float *cos, const float *sin, c
             norm_rotate(row + h * head_dim, q_norm, norm_eps, c, s, head_dim, scratch, q + (b * heads + h) * head_dim,
                         generic);
         for (int64_t kh = 0; kh < kv_heads; kh++) {
-            const int64_t dst = (slots[b] * kv_heads + kh) * head_dim;
+            const int64_t dst = (slots[b] * kv_heads + kh) * kv_row;
             norm_rotate(row + (heads + kh) * head_dim, k_norm, norm_eps, c, s, head_dim, scratch, rotated, generic);
-            store_row(k, dst, rotated, head_dim, kv_bf16);
-            store_row(v, dst, row + (heads + kv_heads + kh) * head_dim, head_dim, kv_bf16);
+            kv_store_row(k, dst, rotated, head_dim, kv_type);
+            kv_store_row(v, dst, row + (heads + kv_heads + kh) * head_dim, head_dim, kv_type);
         }
     }
     a->q = q;
-    const int failed = decode(a, kv_bf16, generic, num_threads);
+    const int failed = decode(a, kv_type, generic, num_threads);
     free(q);
     return failed;
 }
 
-int paged_decode_rotary_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
-                            void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
-                            float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int64_t window, float softcap, const float *q_norm,
-                            const float *k_norm, float qk_norm_eps, int num_threads, int generic) {
+int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
+                        void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
+                        const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                        const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic) {
+    if (!valid_kv_type(kv_type)) return 2;
     decode_step a = {NULL, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
                      block_size, window, scale, softcap};
-    return decode_rotary(qkv, cos, sin, slots, k, v, q_norm, k_norm, qk_norm_eps, &a, 0, generic, num_threads);
-}
-
-int paged_decode_rotary_bf16(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
-                             void *v, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
-                             float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t block_size, float scale, int64_t window, float softcap, const float *q_norm,
-                             const float *k_norm, float qk_norm_eps, int num_threads, int generic) {
-    decode_step a = {NULL, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
-                     block_size, window, scale, softcap};
-    return decode_rotary(qkv, cos, sin, slots, k, v, q_norm, k_norm, qk_norm_eps, &a, 1, generic, num_threads);
+    return decode_rotary(qkv, cos, sin, slots, k, v, q_norm, k_norm, qk_norm_eps, &a, kv_type, generic, num_threads);
 }

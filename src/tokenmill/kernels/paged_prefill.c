@@ -179,17 +179,21 @@ static ALWAYS_INLINE void run_prefill_task_any(const prefill_task *t, int64_t he
 
 /* One key's K (into column `col` of its tile's transposed K) and V (a row), from cache offset `row`,
  * or zeros where row < 0 (past seq_len). */
-static ALWAYS_INLINE void gather_key(const int kv_bf16, const void *k, const void *v, int64_t row, int64_t head_dim,
+static ALWAYS_INLINE void gather_key(const int kv_type, const void *k, const void *v, int64_t row, int64_t head_dim,
                                      float *kt, int64_t col, float *vv) {
+    if (row < 0) {
+        for (int64_t d = 0; d < head_dim; d++) kt[d * KT + col] = vv[d] = 0.0f;
+        return;
+    }
     for (int64_t d = 0; d < head_dim; d++) {
-        kt[d * KT + col] = row < 0 ? 0.0f : kv_load(k, row + d, kv_bf16);
-        vv[d] = row < 0 ? 0.0f : kv_load(v, row + d, kv_bf16);
+        kt[d * KT + col] = kv_value(k, row, d, head_dim, kv_type);
+        vv[d] = kv_value(v, row, d, head_dim, kv_type);
     }
 }
 
 static int prefill(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                    int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int64_t window, float softcap, int kv_bf16, int num_threads) {
+                   float scale, int64_t window, float softcap, int kv_type, int num_threads) {
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS || num_q > seq_len) return -1;
     /* the first key the first query row sees */
     const int64_t first_seen = window > 0 && seq_len - num_q - window + 1 > 0 ? seq_len - num_q - window + 1 : 0;
@@ -207,10 +211,11 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
             for (int64_t i = 0; i < keys; i++) {   /* key position first_seen + i */
                 const int64_t pos = g.key0 + i;
                 const int64_t row = pos < seq_len ? ((table[pos / block_size] * block_size + pos % block_size)
-                                                     * kv_heads + kh) * head_dim : -1;
+                                                     * kv_heads + kh) * kv_row_elems(head_dim, kv_type) : -1;
                 float *kt = g.kt + (kh * keys + i / KT * KT) * head_dim, *vv = g.vv + (kh * keys + i) * head_dim;
-                if (kv_bf16) gather_key(1, k, v, row, head_dim, kt, i % KT, vv);
-                else gather_key(0, k, v, row, head_dim, kt, i % KT, vv);
+                if (kv_type == TM_KV_BF16) gather_key(TM_KV_BF16, k, v, row, head_dim, kt, i % KT, vv);
+                else if (kv_type == TM_KV_I8) gather_key(TM_KV_I8, k, v, row, head_dim, kt, i % KT, vv);
+                else gather_key(TM_KV_F32, k, v, row, head_dim, kt, i % KT, vv);
             }
         /* the task scratch: outputs [QT][head_dim], maxima [QT], sums [QT], probabilities [ROWS][KT] */
         float *buf = aligned_alloc(64, sizeof(float) * (size_t)(QT * head_dim + 2 * QT + ROWS * KT));
@@ -237,23 +242,17 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
 #else
 static int prefill(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                    int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int64_t window, float softcap, int kv_bf16, int num_threads) {
+                   float scale, int64_t window, float softcap, int kv_type, int num_threads) {
     (void)q; (void)k; (void)v; (void)table; (void)seq_len; (void)num_q; (void)out; (void)heads; (void)kv_heads;
-    (void)head_dim; (void)block_size; (void)scale; (void)window; (void)softcap; (void)kv_bf16; (void)num_threads;
+    (void)head_dim; (void)block_size; (void)scale; (void)window; (void)softcap; (void)kv_type; (void)num_threads;
     return -1;
 }
 #endif
 
-int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
-                      int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {
+int paged_prefill(const float *q, const void *k, const void *v, int kv_type, const int64_t *table, int64_t seq_len,
+                  int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                  float scale, int64_t window, float softcap, int num_threads) {
+    if (kv_type != TM_KV_F32 && kv_type != TM_KV_BF16 && kv_type != TM_KV_I8) return -1;
     return prefill(q, k, v, table, seq_len, num_q, out, heads, kv_heads, head_dim, block_size, scale, window,
-                   softcap, 0, num_threads);
-}
-
-int paged_prefill_bf16(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
-                       int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {
-    return prefill(q, k, v, table, seq_len, num_q, out, heads, kv_heads, head_dim, block_size, scale, window,
-                   softcap, 1, num_threads);
+                   softcap, kv_type, num_threads);
 }

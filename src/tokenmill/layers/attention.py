@@ -9,9 +9,15 @@ The packed batch (B requests, T tokens; here B = 3, T = 7, block_size = 4):
     block_tables    A: [5]  B: [2, 7, 3]  C: [0]    (padded with 0 to [B, max_blocks])
     slot_mapping    token at `pos` of request b -> block_tables[b][pos // 4] * 4 + pos % 4
 
-Each layer's cache is one tensor [2 (K, V), num_blocks, block_size, kv_heads, head_dim]. A layer
+Each layer's cache is one tensor [2 (K, V), num_blocks, block_size, kv_heads, row]. A layer
 first writes the new K/V of every row to its slot, then each request's queries attend over the
 first seq_lens[b] slots of its own blocks (causally: query at position p sees keys 0..p).
+
+A row holds one (token, kv head)'s head_dim values: float32 or bfloat16, or for an int8 cache
+(kv_cache_dtype="int8") head_dim int8 values q and then one bfloat16 scale s per group of 32: the
+values are q * s, each group quantized symmetrically (quantize_kv; kernels.h TM_KV_I8 the same in
+C), llama.cpp's q8_0 in granularity and bytes. One tensor per layer either way, so every block
+holds its own scales and moves with them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,45 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.layers.op import KernelOp, set_backend
+
+KV_GROUP = 32   # an int8 cache row's values per bfloat16 scale (kernels.h TM_KV_GROUP)
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements in a cache row of `dtype` (an int8 row carries a 2-byte scale per group)."""
+    return head_dim + 2 * -(-head_dim // KV_GROUP) if dtype == torch.int8 else head_dim
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., head_dim] -> int8 cache rows [..., kv_row_width]: per group of 32 values (the
+    last may be shorter) s = bfloat16(max |x| / 127) and q = round-half-even(x / s) clamped to +-127 (0
+    for a zero group); the values, then the groups' scales."""
+    x = x.float()
+    head_dim = x.shape[-1]
+    groups = -(-head_dim // KV_GROUP)
+    padded = F.pad(x, (0, groups * KV_GROUP - head_dim)).unflatten(-1, (groups, KV_GROUP))
+    scale = (padded.abs().amax(dim=-1) / 127.0).to(torch.bfloat16)                 # [..., groups]
+    step = scale.float().repeat_interleave(KV_GROUP, dim=-1)[..., :head_dim]
+    q = torch.where(step > 0, x / step, 0.0).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows [..., kv_row_width] -> float32 [..., head_dim]: q * s."""
+    groups = -(-rows.shape[-1] // (KV_GROUP + 2))   # the width is head_dim + 2 groups, head_dim <= 32 groups
+    head_dim = rows.shape[-1] - 2 * groups
+    scale = rows[..., head_dim:].contiguous().view(torch.bfloat16).float()
+    return rows[..., :head_dim].float() * scale.repeat_interleave(KV_GROUP, dim=-1)[..., :head_dim]
+
+
+def to_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V [..., head_dim] as rows of a `dtype` cache."""
+    return quantize_kv(x) if dtype == torch.int8 else x.to(dtype)
+
+
+def from_cache_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows read back as values [..., head_dim] of `dtype` (an int8 cache's dequantized)."""
+    return (dequantize_kv(rows) if rows.dtype == torch.int8 else rows).to(dtype)
 
 
 @dataclass
@@ -89,10 +134,9 @@ class Attention(KernelOp):
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         assert self.kv_cache is not None, "KV cache not bound: call bind_kv_caches() first"
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            flat = cache.view(-1, self.num_kv_heads, cache.shape[-1])
+            flat.index_copy_(0, meta.slot_mapping, to_cache_rows(new, cache.dtype))
         if meta.is_decode_only:
             out = self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor)
         else:
@@ -143,8 +187,8 @@ class Attention(KernelOp):
             span = min(block_tables.shape[1], self.sliding_window // block_size + 2)
             index = (first[:, None] + torch.arange(span, device=q.device)).clamp(max=block_tables.shape[1] - 1)
             block_tables = block_tables.gather(1, index)
-        keys = k_cache[block_tables].flatten(1, 2).float()    # [B, L, kv_heads, head_dim]
-        values = v_cache[block_tables].flatten(1, 2).float()
+        keys = from_cache_rows(k_cache[block_tables].flatten(1, 2), torch.float32)    # [B, L, kv_heads, head_dim]
+        values = from_cache_rows(v_cache[block_tables].flatten(1, 2), torch.float32)
         qg = q.float().view(batch, self.num_kv_heads, group, self.head_dim)
         scores = self._softcap(torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale)  # [B, kv_heads, group, L]
         position = first[:, None] * block_size + torch.arange(keys.shape[1], device=q.device)[None, :]
@@ -178,8 +222,10 @@ class Attention(KernelOp):
             first_block = first // meta.block_size
             blocks = meta.block_tables[b, first_block:num_blocks]
             offset = first_block * meta.block_size
-            keys = k_cache[blocks].flatten(0, 1)[:seq_len - offset].transpose(0, 1)    # [kv_heads, L, hd]
-            values = v_cache[blocks].flatten(0, 1)[:seq_len - offset].transpose(0, 1)
+            # [kv_heads, L, hd], in q's dtype (float32 where the softcap needs it)
+            kv_dtype = q.dtype if self.logit_softcap is None else torch.float32
+            keys = from_cache_rows(k_cache[blocks].flatten(0, 1)[:seq_len - offset], kv_dtype).transpose(0, 1)
+            values = from_cache_rows(v_cache[blocks].flatten(0, 1)[:seq_len - offset], kv_dtype).transpose(0, 1)
             query = q[q_start:q_end].transpose(0, 1)                                     # [heads, n, hd]
             rows = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]   # query positions
             cols = torch.arange(offset, seq_len, device=q.device)[None, :]            # key positions
@@ -187,15 +233,14 @@ class Attention(KernelOp):
             if self.sliding_window is not None:
                 mask &= cols > rows - self.sliding_window
             if self.logit_softcap is None:
-                o = F.scaled_dot_product_attention(
-                    query.unsqueeze(0), keys.unsqueeze(0).to(q.dtype), values.unsqueeze(0).to(q.dtype),
-                    attn_mask=mask, scale=self.scale, enable_gqa=True)[0]
+                o = F.scaled_dot_product_attention(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                                   attn_mask=mask, scale=self.scale, enable_gqa=True)[0]
             else:  # SDPA has no softcap: the same steps in plain matmuls, float32
                 group = self.num_heads // self.num_kv_heads
-                k = keys.float().repeat_interleave(group, 0)
+                k = keys.repeat_interleave(group, 0)
                 scores = self._softcap(torch.matmul(query.float(), k.transpose(1, 2)) * self.scale)
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-                o = torch.matmul(probs, values.float().repeat_interleave(group, 0)).to(q.dtype)
+                o = torch.matmul(probs, values.repeat_interleave(group, 0)).to(q.dtype)
             out[q_start:q_end] = o.transpose(0, 1)
 
     def _softcap(self, scores: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ class RotaryAttention(nn.Module):
         return kernels.AttentionPlan(
             qkv=qkv.plan(), o=o.plan(), qkv_bias=kernels.pointer(self.qkv_proj.bias),
             norm=norm_weight.data_ptr(), norm_eps=norm.eps, scale=self.attn.scale, k_cache=cache[0].data_ptr(),
-            v_cache=cache[1].data_ptr(), kv_bf16=int(cache.dtype == torch.bfloat16), heads=self.num_heads,
+            v_cache=cache[1].data_ptr(), kv_type=kernels.KV_TYPES[cache.dtype], heads=self.num_heads,
             kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache.shape[2],
             sliding_window=self.attn.sliding_window or 0, logit_softcap=self.attn.logit_softcap or 0.0,
             q_norm=kernels.pointer(None if qk_norm is None else qk_norm[0]),

@@ -12,9 +12,10 @@ import torch
 from engine_helpers import greedy, make_engine, prefill_logits
 from tiny_models import BASE_KINDS, KINDS, MOE_KINDS
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, kernels
 from tokenmill.layers.linear import Embedding, Linear
 from tokenmill.layers.moe import SparseMoE
+from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.op import set_backend
 from tokenmill.layers.quant import kernel_available
 from tokenmill.models.loader import weight_forms
@@ -77,19 +78,21 @@ def test_quantized_gguf_computes_its_quantized_weights(kind, tiny_gguf_model):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
-def test_a_block_without_a_c_plan_keeps_the_stack_off(tiny_gguf_model):
-    """The C decode stack runs only when every layer's blocks built a plan: a MoE MLP has none, so a
-    Mixtral decode step takes the layer loop (and gives its tokens), while the same attention with a
-    dense MLP (llama) takes the stack."""
-    for kind, stacked in (("llama", True), ("mixtral", False)):
-        llm = LLM(str(tiny_gguf_model(kind, "Q8_0")), num_kv_blocks=64)
-        model = llm.engine.model.model
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        prompt = _prompts(llm.engine.model_config.vocab_size)[:1]
-        tokens = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-        assert (model._plan is not False and model._plan is not None) == stacked, kind
-        model.use_decode_stack = False
-        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_a_block_without_a_c_plan_keeps_the_stack_off(tiny_gguf_model, kind):
+    """The C decode stack runs only when every layer's blocks built a plan. A dense MLP (llama) and a
+    mixture of experts (Mixtral: moe.c) both build one; pinning a block to its PyTorch reference (the
+    MoE block; llama's norms) takes its plan away, and the decode steps then take the layer loop,
+    giving the same tokens (to the reference's rounding)."""
+    llm = LLM(str(tiny_gguf_model(kind, "Q8_0")), num_kv_blocks=64)
+    model = llm.engine.model.model
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = _prompts(llm.engine.model_config.vocab_size)[:1]
+    tokens = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert isinstance(model._plan, kernels.StackPlan)
+    set_backend(model, "torch", SparseMoE if kind == "mixtral" else RMSNorm)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+    assert model._plan is False
 
 
 # Gemma's chat template as published with Gemma 3 (Gemma 2's differs only in not folding a system
@@ -232,8 +235,6 @@ def test_config_details_read_as_transformers_reads_them():
 
 @pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
 def test_pinning_ops_to_their_reference_after_a_step_turns_the_stack_off(tiny_gguf_model):
-    from tokenmill.layers.norm import RMSNorm
-
     llm = LLM(str(tiny_gguf_model("gemma2", "Q8_0")), num_kv_blocks=64)
     model = llm.engine.model.model
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -248,8 +249,6 @@ def test_gemma_norm_in_bfloat16_is_gemmas():
     """Gemma's RMSNorm multiplies by 1 + w in float32 and casts after: its weight is held in float32
     in a bfloat16 model (held in bf16, 1 + w would lose w's low bits), giving transformers' bits."""
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
-
-    from tokenmill.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(3)
     reference = Gemma2RMSNorm(64, eps=1e-6).to(torch.bfloat16)

@@ -415,6 +415,8 @@ def tokens_and_logprobs(llm: LLM, prompts: list[list[int]], params: SamplingPara
 @pytest.mark.parametrize(("kind", "ftype", "kv_cache_dtype"),
                          [("llama", "Q4_1", "auto"), ("smollm", "Q8_0", "auto"), ("llama", "Q4_1", "bfloat16"),
                           ("llama", "Q4_1", "int8"), ("qwen3", "Q8_0", "int8"), ("gemma2", "Q8_0", "int8"),
+                          # mixtures of experts (moe.c): renormalized top k, Qwen2-MoE's shared expert
+                          ("mixtral", "Q8_0", "auto"), ("qwen2_moe", "Q4_1", "auto"), ("qwen3_moe", "Q8_0", "int8"),
                           ("qwen2", "Q5_0", "auto"),  # qwen2: q/k/v biases
                           # Qwen3: q/k norms inside the fused rotary kernel
                           ("qwen3", "Q8_0", "auto"), ("qwen3", "Q8_0", "float32"),

@@ -6,7 +6,8 @@ The claims, each checked below:
 - outputs == transformers' blocks at float32 tolerance, with the norm and residual folded in, also
   on a batch built so that some experts get no token, one token, or many;
 - quantized experts (each expert's kernel on just its rows) == the dense block holding the
-  dequantized weights, within the kernel's tolerance;
+  dequantized weights, within the kernel's tolerance; the C block (kernels.sparse_moe) == the
+  PyTorch steps, a row alone == its row in a batch bit for bit;
 - checkpoints: every form found for the experts (per expert with HF or Mixtral names, transformers'
   fused 3-D tensors, llama.cpp's stacked GGUF tensors) loads into the same block; a stacked
   quantized GGUF tensor splits per expert into blocks (no dequantizing) that equal its dequantized
@@ -27,6 +28,7 @@ from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import SparseMoE, expert_tensors
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.op import set_backend
 from tokenmill.layers.quant import QuantWeight, kernel_available, quantize
 from tokenmill.models.loader import fill_parameters, weight_forms
 
@@ -204,9 +206,7 @@ def test_quantized_experts_equal_dense_dequantized_block(kind, bits):
     moe = from_hf(kind, hf)
     x, counts = counted_batch(moe, hf)
     mlps = list(moe.experts) + ([moe.shared_expert] if moe.shared_expert is not None else [])
-    for mlp in mlps:
-        for linear in (mlp.gate_up_proj, mlp.down_proj):
-            linear.set_quantized(QuantWeight(quantize(linear.weight.data, bits), torch.float32))
+    quantize_experts(moe, bits)
     with torch.no_grad():
         for e, expert in enumerate(moe.experts):
             hf.experts.gate_up_proj[e] = expert.gate_up_proj.qweight.dequantize()
@@ -223,6 +223,45 @@ def test_quantized_experts_equal_dense_dequantized_block(kind, bits):
     assert_close_rel(moe(x), run_hf(hf, x), 1e-3)
     y = torch.randn(11, HIDDEN)  # random routing too
     assert_close_rel(moe(y), run_hf(hf, y), 1e-3)
+
+
+def quantize_experts(moe: SparseMoE, bits: int) -> None:
+    """Every expert's projections (and the shared expert's) quantized; the router stays dense."""
+    for mlp in list(moe.experts) + ([moe.shared_expert] if moe.shared_expert is not None else []):
+        for linear in (mlp.gate_up_proj, mlp.down_proj):
+            linear.set_quantized(QuantWeight(quantize(linear.weight.data, bits), torch.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_c_block_equals_the_pytorch_steps(kind, bits):
+    """With quantized experts the block runs as one C call (kernels.sparse_moe: routing, the experts
+    grouped, the weighted sum, the shared expert, the norm and the residual): == forward_native (the
+    PyTorch steps with the same quantized kernels per expert) on a batch whose experts get zero, one
+    and many tokens and on random routing; each row alone == its row of the batch, bit for bit."""
+    hf = hf_block(kind)
+    moe = from_hf(kind, hf)
+    quantize_experts(moe, bits)
+    x, counts = counted_batch(moe, hf)
+    norm = RMSNorm(HIDDEN, 1e-6)
+    norm.weight.data.uniform_(0.8, 1.2)
+    assert moe.plan(norm) is not None and moe.plan(None) is not None
+    # 40 rows: some expert gets more than 8 (moe.c then runs each expert's matmuls on every thread;
+    # a row alone runs the experts as one-thread tasks): the same bits either way
+    for rows in (x, torch.randn(11, HIDDEN), torch.randn(40, HIDDEN)):
+        residual = torch.randn_like(rows)
+        for args in ((None, None), (norm, residual)):
+            got, want = moe(rows, *args), moe.forward_native(rows, *args)
+            assert_close_rel(got, want, 1e-5)
+            alone = torch.cat([moe(rows[i:i + 1], *(a if a is None or a is norm else a[i:i + 1] for a in args))
+                               for i in range(len(rows))])
+            assert torch.equal(alone, got)
+    _, experts = moe.route(x)
+    assert torch.bincount(experts.flatten(), minlength=NUM_EXPERTS).tolist() == counts
+    set_backend(moe, "torch", SparseMoE)   # pinned to its reference: no plan
+    assert moe.plan(norm) is None
+    assert torch.equal(moe(x, norm), moe.forward_native(x, norm))
 
 
 def test_bad_arguments_are_clear_errors():

@@ -544,7 +544,7 @@ def _greedy_with_logprobs(engine, prompts: list[list[int]], max_tokens: int):
 
 @pytest.mark.parametrize(("kind", "kv_cache_dtype"),
                          [("llama", "auto"), ("qwen3", "auto"), ("gemma2", "auto"), ("gemma3", "auto"),
-                          ("llama", "int8"), ("gemma3", "int8")])
+                          ("llama", "int8"), ("gemma3", "int8"), ("mixtral", "auto"), ("qwen2_moe", "auto")])
 def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind, kv_cache_dtype):
     """On the quantized CPU path a row's output does not depend on the other rows, bit for bit: each
     request's greedy tokens and logprobs alone == packed with the others. Alone, its decodes run in
@@ -554,7 +554,8 @@ def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind, kv_cac
     (Gemma 2/3) once ran in C in the stack and the fused rotary decode but in PyTorch in mixed steps.
     Prefix caching is off: a prompt whose first blocks come from the cache computes its last row alone,
     with the decode kernel rather than the prefill kernel (another summation order). An int8 cache
-    quantizes the same K/V to the same bytes in the prefill path (PyTorch) and the decode path (C)."""
+    quantizes the same K/V to the same bytes in the prefill path (PyTorch) and the decode path (C).
+    Mixtures of experts run one C block (moe.c) that routes and sums each row on its own."""
     engine = make_engine(tiny_gguf_model(kind, "Q8_0"), block_size=4, max_num_batched_tokens=16,
                          enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     prompts = _prompts(engine.model_config.vocab_size, [1, 5, 12, 19, 8, 3, 16], seed=13)

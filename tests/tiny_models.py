@@ -175,7 +175,7 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     )),
     # Qwen2-MoE: q/k/v biases, 4 experts (top 2, not renormalized) and a shared expert
     "qwen2_moe": ("Qwen2MoeConfig", dict(
-        _COMMON_LLAMA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        _COMMON_LLAMA, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )),

@@ -7,6 +7,8 @@
   row dequantization of the same layout (layers/quant.py packs the weights).
 - dense_matmul.c: x W^T for a dense bfloat16 weight and a few activation rows (a bf16 model's decode
   steps), at the rate the weight's bytes allow.
+- moe.c: sparse_moe, a mixture-of-experts block with quantized experts in one call (routing, the
+  experts grouped, the weighted sum).
 - kernels.c: decode_stack, a decoder stack's decode step as one call, run from per-layer plan
   structs declared in kernels.h (mirrored here with ctypes).
 - norm.c: rms_norm, the RMSNorm of norm.h that every kernel above uses too (layers/norm.py runs it).
@@ -124,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_matmul_has_simd.restype = i32
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]
     lib.bf16_matmul.restype = i32
+    lib.sparse_moe.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
+    lib.sparse_moe.restype = i32
     lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.decode_stack.restype = i32
     lib.plan_struct_size.argtypes = [i32]
@@ -350,10 +354,29 @@ class MLPPlan(ctypes.Structure):
                 ("norm_eps", ctypes.c_float), ("activation", ctypes.c_int64)]
 
 
+class MoEPlan(ctypes.Structure):
+    _fields_ = [("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("router", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("num_experts", ctypes.c_int64),
+                ("top_k", ctypes.c_int64), ("renormalize", ctypes.c_int64), ("activation", ctypes.c_int64),
+                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
+                ("shared_gate", ctypes.c_void_p)]
+
+
 class LayerPlan(ctypes.Structure):
     _fields_ = [("attn", AttentionPlan), ("mlp", MLPPlan), ("attn_out_norm", ctypes.c_void_p),
                 ("mlp_out_norm", ctypes.c_void_p), ("attn_out_norm_eps", ctypes.c_float),
-                ("mlp_out_norm_eps", ctypes.c_float), ("rope_local", ctypes.c_int64)]
+                ("mlp_out_norm_eps", ctypes.c_float), ("rope_local", ctypes.c_int64), ("moe", ctypes.c_void_p)]
+
+
+def sparse_moe(plan: MoEPlan, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + moe(norm(x)) for x [T, hidden] (moe.c, the plan's experts and norm) -> fp32 [T, hidden]."""
+    x = x.float().contiguous()
+    residual = None if residual is None else residual.float().contiguous()
+    out = torch.empty_like(x)
+    if load().sparse_moe(ctypes.byref(plan), x.data_ptr(), x.shape[0], pointer(residual), out.data_ptr(),
+                         torch.get_num_threads()):
+        raise MemoryError("sparse MoE: out of memory")
+    return out
 
 
 class ShmError(RuntimeError):
@@ -368,7 +391,7 @@ class ShmPlan(ctypes.Structure):
                 ("stats", ctypes.c_void_p), ("rank", ctypes.c_int32), ("size", ctypes.c_int32)]
 
 
-PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan)  # plan_struct_size's numbering
+PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan, MoEPlan)  # plan_struct_size's numbering
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -377,9 +400,10 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 
 class StackPlan:
-    """The layers' plans as one C array for decode_stack; holds the tensors they point into."""
+    """The layers' plans as one C array for decode_stack; holds what they point into (tensors, and
+    ctypes objects such as a MoEPlan and its arrays)."""
 
-    def __init__(self, layers: list[LayerPlan], tensors: list[torch.Tensor]):
+    def __init__(self, layers: list[LayerPlan], tensors: list[object]):
         self.layers = (LayerPlan * len(layers))(*layers)
         self.tensors = tensors
 

@@ -12,6 +12,7 @@ int64_t plan_struct_size(int which) {
         case 2: return (int64_t)sizeof(tm_mlp_plan);
         case 3: return (int64_t)sizeof(tm_layer_plan);
         case 4: return (int64_t)sizeof(tm_shm);
+        case 5: return (int64_t)sizeof(tm_moe_plan);
         default: return -1;
     }
 }
@@ -49,15 +50,26 @@ static int block_output(const tm_quant_weight *w, const float *a, int64_t batch,
     return 0;
 }
 
-static int valid_plan(const tm_layer_plan *layer, const float *cos_local) {
-    const int64_t act = layer->mlp.activation, kv = layer->attn.kv_type;
+static int valid_plan(const tm_layer_plan *layer, const float *cos_local, const tm_shm *shm) {
+    const int64_t act = layer->moe != NULL ? layer->moe->activation : layer->mlp.activation;
+    const int64_t kv = layer->attn.kv_type;
     return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL)
-           && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8);
+           && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8) && (layer->moe == NULL || shm == NULL);
+}
+
+/* x + out_norm(moe(rmsnorm(x))), in place (tmp: [batch, hidden] scratch). */
+static int moe_output(const tm_moe_plan *moe, float *x, int64_t batch, const float *out_norm, float eps, float *tmp,
+                      int num_threads) {
+    if (out_norm == NULL) return sparse_moe(moe, x, batch, x, x, num_threads);
+    if (sparse_moe(moe, x, batch, NULL, tmp, num_threads)) return 1;
+    add_rmsnorm(x, tmp, out_norm, eps, batch, moe->gate_up[0].in_features);
+    return 0;
 }
 
 /* x [batch, hidden] fp32, updated in place: for each layer,
  *   x = x + out_norm(o_proj(attention(rotary(qk_norm(qkv_proj(rmsnorm(x)) + bias)))))   (K/V to the cache)
  *   x = x + out_norm(down_proj(act(gate) * up)), [gate | up] = gate_up_proj(rmsnorm(x))
+ *       (or x + out_norm(moe(rmsnorm(x))) for a mixture of experts: moe.c)
  * the same kernel calls, in the same order, as the blocks' path in the layer loop (layers/), so the
  * same bits (out_norm: the sandwich norm where a layer has one). Layers may differ in shape: the
  * scratch buffers are sized for the widest. */
@@ -68,7 +80,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
     int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_attention_plan *a = &layers[l].attn;
-        if (!valid_plan(&layers[l], cos_local)) return 2;
+        if (!valid_plan(&layers[l], cos_local, shm)) return 2;
         qkv_max = a->qkv.out_features > qkv_max ? a->qkv.out_features : qkv_max;
         attn_max = a->heads * a->head_dim > attn_max ? a->heads * a->head_dim : attn_max;
         gate_up_max = layers[l].mlp.gate_up.out_features > gate_up_max ? layers[l].mlp.gate_up.out_features
@@ -99,6 +111,10 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
         if (!failed)
             failed = block_output(&a->o, attn, batch, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps,
                                   x, out, shm, num_threads);
+        if (!failed && layer->moe != NULL) {
+            failed = moe_output(layer->moe, x, batch, layer->mlp_out_norm, layer->mlp_out_norm_eps, out, num_threads);
+            continue;
+        }
         if (!failed)
             failed = matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads);
         if (!failed)

@@ -5,6 +5,7 @@
  *   paged_prefill.c  paged_prefill
  *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
  *   dense_matmul.c   bf16_matmul
+ *   moe.c            sparse_moe
  *   kernels.c        decode_stack, plan_struct_size
  *   norm.c           rms_norm
  *   shm_exchange.c   shm_exchange, shm_all_reduce, shm_header_bytes
@@ -64,15 +65,31 @@ typedef struct {
     int64_t activation;         /* TM_GATE_SILU or TM_GATE_GELU_TANH */
 } tm_mlp_plan;
 
+/* x + moe(rmsnorm(x)) for a sparse mixture-of-experts MLP whose experts are all quantized (moe.c
+ * sparse_moe: the routing and the sum; layers/moe.py SparseMoE.plan). */
+typedef struct {
+    const tm_quant_weight *gate_up, *down;  /* [num_experts] each: an expert's [gate | up] and down */
+    const float *router;        /* [num_experts, hidden] float32 */
+    const float *norm;          /* the pre-MLP RMSNorm's weight [hidden], or NULL (x is normed already) */
+    float norm_eps;
+    int64_t num_experts, top_k;
+    int64_t renormalize;        /* 1: the top_k weights are divided by their sum */
+    int64_t activation;         /* TM_GATE_SILU or TM_GATE_GELU_TANH, every expert's */
+    const tm_quant_weight *shared_gate_up, *shared_down;  /* a shared expert every row passes through, or NULL */
+    const float *shared_gate;   /* its gate's weight [hidden]: its output is scaled by sigmoid(gate . h) */
+} tm_moe_plan;
+
 /* A decoder layer (layers/decoder.py DecoderLayer.plan):
  *   x = x + out_norm(attention block(x)),  x = x + out_norm(mlp block(x))
- * where out_norm is the identity, or with "sandwich" norms (Gemma 2/3) an RMSNorm of its own. */
+ * where out_norm is the identity, or with "sandwich" norms (Gemma 2/3) an RMSNorm of its own, and
+ * the mlp block is `mlp`, or `moe` where that is not NULL. */
 typedef struct {
     tm_attention_plan attn;
     tm_mlp_plan mlp;
     const float *attn_out_norm, *mlp_out_norm;  /* the sandwich norms' weights [hidden], or NULL */
     float attn_out_norm_eps, mlp_out_norm_eps;
     int64_t rope_local;         /* 1: the layer rotates with decode_stack's local table, 0: the global one */
+    const tm_moe_plan *moe;     /* the layer's mixture of experts (then `mlp` is unused), or NULL */
 } tm_layer_plan;
 
 /* The shared mapping of a tensor-parallel group on one machine (tokenmill/parallel.py SharedExchange). */
@@ -88,7 +105,7 @@ typedef struct {
 } tm_shm;
 
 /* sizeof of each plan struct, for the ctypes mirror's test: 0 tm_quant_weight, 1 tm_attention_plan,
- * 2 tm_mlp_plan, 3 tm_layer_plan, 4 tm_shm. */
+ * 2 tm_mlp_plan, 3 tm_layer_plan, 4 tm_shm, 5 tm_moe_plan. */
 int64_t plan_struct_size(int which);
 
 /* A decode step through `num_layers` layers: x [batch, hidden] fp32 (hidden: every layer's qkv
@@ -96,12 +113,18 @@ int64_t plan_struct_size(int which);
  * position; cos_local/sin_local the same for layers with rope_local, else NULL), slots [batch],
  * block_tables [batch, max_blocks], seq_lens [batch]. `shm`: this rank's tensor-parallel group (the
  * layers are its part: o and down row-parallel, their outputs all-reduced), or NULL. Returns 1 if
- * out of memory, 2 for a plan this code cannot run (an unknown activation, a local layer without
- * local tables), 3 if an all-reduce failed (shm_exchange's -1 / -2). */
+ * out of memory, 2 for a plan this code cannot run (an unknown activation or cache type, a local
+ * layer without local tables, a mixture of experts under tensor parallelism), 3 if an all-reduce
+ * failed (shm_exchange's -1 / -2). */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                  const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const tm_shm *shm,
                  int num_threads);
+
+/* out [rows, hidden] = residual + moe(rmsnorm(x)) for x [rows, hidden] (moe.c; residual may be NULL: out
+ * = moe(...); out may be x or residual). Returns 1 if out of memory. */
+int sparse_moe(const tm_moe_plan *plan, const float *x, int64_t rows, const float *residual, float *out,
+               int num_threads);
 
 /* y [mrows, n] = f(x) W^T (+ residual) for a weight packed by layers/quant.py (quant_matmul.c); f: the
  * `gated` activation (TM_GATE_*), then an RMSNorm with weight norm_w (or NULL). */

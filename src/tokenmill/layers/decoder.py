@@ -10,6 +10,8 @@ never passes through the C code unnoticed.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -48,7 +50,7 @@ class DecoderLayer(nn.Module):
         x = x + self.attn_out_norm(self.self_attn(x, rope, meta, norm=self.attn_norm))
         return x + self.mlp_out_norm(self.mlp(x, norm=self.mlp_norm))
 
-    def plan(self) -> tuple[kernels.LayerPlan, list[torch.Tensor]] | None:
+    def plan(self) -> tuple[kernels.LayerPlan, list[object]] | None:
         """kernels.h's tm_layer_plan for this layer (its blocks' plans, the sandwich norms, which
         rotary table), or None if one of its blocks has none."""
         norms = (self.attn_norm, self.mlp_norm, self.attn_out_norm, self.mlp_out_norm)
@@ -59,12 +61,14 @@ class DecoderLayer(nn.Module):
             return None
         out_norms = [None if n is None else n.weight.float().contiguous()
                      for n in (self.attn_out_norm, self.mlp_out_norm)]
-        plan = kernels.LayerPlan(attn=attn[0], mlp=mlp[0], rope_local=int(self.rope == "local"),
+        # the MLP block: a tm_mlp_plan held in the layer's struct, or a tm_moe_plan it points to
+        block = {"moe": ctypes.addressof(mlp[0])} if isinstance(mlp[0], kernels.MoEPlan) else {"mlp": mlp[0]}
+        plan = kernels.LayerPlan(attn=attn[0], **block, rope_local=int(self.rope == "local"),
                                  attn_out_norm=kernels.pointer(out_norms[0]),
                                  mlp_out_norm=kernels.pointer(out_norms[1]),
                                  attn_out_norm_eps=0.0 if self.attn_out_norm is None else self.attn_out_norm.eps,
                                  mlp_out_norm_eps=0.0 if self.mlp_out_norm is None else self.mlp_out_norm.eps)
-        return plan, attn[1] + mlp[1] + [n for n in out_norms if n is not None]
+        return plan, [*attn[1], mlp[0], *mlp[1], *[n for n in out_norms if n is not None]]
 
 
 class DecoderModel(nn.Module):

@@ -11,6 +11,11 @@ its kernel on just those rows), and the weighted rows are added into their token
     experts [T, k]  --flatten, stable sort-->  pairs grouped by expert: e0 e0 e0 | e2 | e5 e5 ...
     expert e: y = experts[e](x[tokens of its pairs]) * weights of its pairs;  out.index_add_(tokens, y)
 
+On a CPU with every expert quantized (backend auto), the whole block runs as one C call instead
+(kernels.sparse_moe, from the plan this block builds: the same steps, routing included, with no
+Python between experts), in the layer loop and in the decode stack alike, so both give the same
+bits; the PyTorch steps above are its reference (`forward_native`).
+
 Checkpoints come with experts in several forms (`expert_tensors` turns each into per-expert 2-D
 tensors under this module's names, which the loader's `stacked_params` route into `gate_up_proj`):
 
@@ -26,23 +31,26 @@ tensors under this module's names, which the loader's `stacked_params` route int
 
 from __future__ import annotations
 
+import ctypes
 import re
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.checkpoint import GGUFBlocks, split_rows
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.op import KernelOp, backend_generation
 
 ROUTINGS = ("mixtral", "qwen_moe")
 
 Weight = torch.Tensor | GGUFBlocks
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(KernelOp):
     """residual + moe(norm(x)) for x [T, hidden].
 
     `routing` names the model's router:
@@ -81,10 +89,49 @@ class SparseMoE(nn.Module):
         if shared_expert_intermediate_size is not None:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, activation)
             self.shared_expert_gate = Linear(hidden_size, 1, keep_dense=True)
+        self._plans: dict[int, tuple[kernels.MoEPlan, list[object]] | None] = {}   # by id(norm)
+        self._plans_generation = -1
 
-    def plan(self, norm: RMSNorm) -> None:
-        """No C plan yet: a layer with this MLP keeps the decode stack off (layers/decoder.py)."""
-        return None
+    def plan(self, norm: RMSNorm | None) -> tuple[kernels.MoEPlan, list[object]] | None:
+        """This block as kernels.h's tm_moe_plan with `norm` as its input norm (and what it points
+        into), or None where the C code does not run it: backend torch, an expert or the shared expert
+        not quantized (or under tensor parallelism: kernel_weight), biases, a norm pinned to its
+        reference, an activation the kernel does not fuse. Built once per norm and backend setting."""
+        if self._plans_generation != backend_generation():
+            self._plans, self._plans_generation = {}, backend_generation()
+        key = id(norm)
+        if key not in self._plans:
+            self._plans[key] = self._build_plan(norm)
+        return self._plans[key]
+
+    def _build_plan(self, norm: RMSNorm | None) -> tuple[kernels.MoEPlan, list[object]] | None:
+        mlps = [*self.experts, *([] if self.shared_expert is None else [self.shared_expert])]
+        weights = [(m.gate_up_proj.kernel_weight(), m.down_proj.kernel_weight()) for m in mlps]
+        linears = [lin for m in mlps for lin in (m.gate_up_proj, m.down_proj)] + [self.gate]
+        if self.shared_expert_gate is not None:
+            linears.append(self.shared_expert_gate)
+        if (self.backend != "auto" or self.gate.tp.size > 1 or any(w is None for pair in weights for w in pair)
+                or any(lin.bias is not None for lin in linears) or (norm is not None and norm.backend != "auto")
+                or self.experts[0].activation not in kernels.GATES or self.gate.weight.device.type != "cpu"):
+            return None
+        arrays = [(kernels.QuantWeightPlan * len(weights))(*(w.plan() for w, _ in weights)),
+                  (kernels.QuantWeightPlan * len(weights))(*(w.plan() for _, w in weights))]
+        gate_up, down = (ctypes.addressof(a) for a in arrays)
+        tensors = [self.gate.weight.float().contiguous()]
+        if norm is not None:
+            tensors.append(norm.weight.float().contiguous())
+        shared = {}
+        if self.shared_expert is not None:   # the shared expert is the arrays' last entry
+            tensors.append(self.shared_expert_gate.weight.float().reshape(-1).contiguous())
+            size = ctypes.sizeof(kernels.QuantWeightPlan)
+            shared = dict(shared_gate_up=gate_up + self.num_experts * size, shared_down=down + self.num_experts * size,
+                          shared_gate=tensors[-1].data_ptr())
+        plan = kernels.MoEPlan(gate_up=gate_up, down=down, router=tensors[0].data_ptr(),
+                               norm=None if norm is None else tensors[1].data_ptr(),
+                               norm_eps=0.0 if norm is None else norm.eps, num_experts=self.num_experts,
+                               top_k=self.top_k, renormalize=int(self.renormalize),
+                               activation=kernels.gate_code(self.experts[0].activation), **shared)
+        return plan, [*arrays, *tensors]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choices for x [T, hidden] (already normalized): (weights [T, k], experts
@@ -99,8 +146,17 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + moe(norm(x)); x [T, hidden]. The norm runs once here (not fused into the
-        projections): the router, every expert and the shared expert all read its output."""
+        """residual + moe(norm(x)); x [T, hidden]: the C block where it applies (float32 rows and a
+        plan), else forward_native."""
+        plan = self.plan(norm) if x.dtype == torch.float32 else None
+        if plan is None:
+            return self.forward_native(x, norm, residual)
+        return kernels.sparse_moe(plan[0], x, residual)
+
+    def forward_native(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The PyTorch reference. The norm runs once here (not fused into the projections): the
+        router, every expert and the shared expert all read its output."""
         h = x if norm is None else norm(x)
         out = self._routed(h, *self.route(h))
         if self.shared_expert is not None:

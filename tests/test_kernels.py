@@ -177,13 +177,15 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog, tiny_gguf_mo
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("generic", [False, True])
-def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
+@pytest.mark.parametrize("head_dim", [64, 80])   # 80: an int8 row's last group holds 16 values
+def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic, head_dim):
     """decode_rotary (rotary + cache write + attention in one C call) == apply_rotary, the layer's
-    index_copy_ cache write and the decode kernel: the same bits in the output and the cache."""
+    index_copy_ cache write and the decode kernel: the same bits in the output and the cache (an
+    int8 cache: the same quantized bytes, a zero V head and a large K included)."""
     from tokenmill.layers.attention import AttentionMetadata
     from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    heads, kv_heads, block_size = 9, 3, 16
     lens = [5, 48, 200, 17]
     _, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=5)
     positions = seq_lens - 1
@@ -191,6 +193,8 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic):
     meta = AttentionMetadata(query_start_loc=list(range(len(lens) + 1)), seq_lens=seq_lens.tolist(),
                              block_tables=tables, slot_mapping=slots, seq_lens_tensor=seq_lens, block_size=block_size)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim)
+    qkv[0, (heads + kv_heads) * head_dim:][:head_dim] = 0      # a zero V head: scale 0
+    qkv[1, heads * head_dim:][:head_dim] *= 1e4                # a large K head
     rope = RotaryEmbedding(head_dim, 512, 10000.0, None)(positions)
 
     unfused_cache = cache.clone()
@@ -673,6 +677,28 @@ def test_int8_kv_rows_quantize_per_group(head_dim):
     assert ((peaks >= 126) | (scale == 0)).all()
     # half-way values round to even, as the C kernels round (nearbyintf)
     assert quantize_kv(torch.tensor([127.0, 2.5, -3.5, 0.5]))[:4].tolist() == [127, 2, -4, 0]
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_int8_cache_write_of_nan_and_inf_equals_pytorch(generic):
+    """Non-finite K/V (a diverging model) quantize to the same bytes in C as in PyTorch: a group holding
+    NaN gets a NaN scale and zero values; infinities give NaN quotients, stored as 0."""
+    heads, kv_heads, head_dim, block_size = 2, 2, 64, 4
+    _, cache, tables, seq_lens = random_paged_batch([3, 5], heads, kv_heads, head_dim, block_size, torch.int8)
+    positions = seq_lens - 1
+    slots = tables[torch.arange(2), positions // block_size] * block_size + positions % block_size
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(2, kv_heads, head_dim)
+    v[0, 0, 3], v[0, 1, 40], v[1, 0, 7], v[1, 1, 33] = float("nan"), float("inf"), -float("inf"), float("nan")
+    cos, sin = torch.ones(2, head_dim), torch.zeros(2, head_dim)   # no rotation
+    fused = cache.clone()
+    kernels.paged_decode_rotary(qkv, cos, sin, slots, fused[0], fused[1], tables, seq_lens, heads, 0.125,
+                                generic=generic)
+    expected = cache.clone()
+    write_rows(expected[1], slots, v)
+    assert torch.equal(fused[1], expected[1])
+    rows = quantize_kv(v)
+    assert rows[0, 0, :32].eq(0).all() and rows[0, 0, 64:66].view(torch.bfloat16).isnan().item()
 
 
 def test_int8_kv_cache_on_a_float32_model(tiny_hf_model):

@@ -259,9 +259,34 @@ def test_c_block_equals_the_pytorch_steps(kind, bits):
             assert torch.equal(alone, got)
     _, experts = moe.route(x)
     assert torch.bincount(experts.flatten(), minlength=NUM_EXPERTS).tolist() == counts
+    # moe.c runs the experts as one-thread tasks when there are at least as many as threads, else
+    # each expert's matmuls on every thread: 1 and 16 threads take the two ways, with the same bits
+    saved = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 16):
+            torch.set_num_threads(threads)
+            outputs.append(moe(x, norm, x))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outputs[0], outputs[1])
     set_backend(moe, "torch", SparseMoE)   # pinned to its reference: no plan
     assert moe.plan(norm) is None
     assert torch.equal(moe(x, norm), moe.forward_native(x, norm))
+
+
+@needs_kernel
+def test_a_dense_shared_expert_keeps_the_pytorch_steps():
+    """The C block needs every expert quantized: with the shared expert left dense, the block has no
+    plan and runs its PyTorch steps (the quantized experts still run their kernel)."""
+    moe = from_hf("qwen2_moe", hf_block("qwen2_moe"))
+    shared = moe.shared_expert
+    moe.shared_expert = None
+    quantize_experts(moe, 8)
+    moe.shared_expert = shared
+    assert moe.plan(None) is None
+    x = torch.randn(5, HIDDEN)
+    assert torch.equal(moe(x), moe.forward_native(x))
 
 
 def test_bad_arguments_are_clear_errors():

@@ -411,8 +411,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torc
     concurrent requests decode attention is bound by the cache bytes it reads; a 16-bit cache halves
     them and the pool's memory, for a mean KL of ~6e-5 on the default model (`tokenmill bench quality
     --modes none auto auto-kv-f32`). The dense float32 path stays float32 throughout: it is the one
-    held exactly to transformers. "int8" is torch.int8: int8 values with a float32 scale per (token,
-    kv head) row (layers/attention.py quantize_kv), about half a 16-bit cache's bytes."""
+    held exactly to transformers. "int8" is torch.int8: int8 values with a bfloat16 scale per group of
+    32 (layers/attention.py quantize_kv), about half a 16-bit cache's bytes."""
     if kv_cache_dtype == "int8":
         return torch.int8
     if kv_cache_dtype != "auto":
@@ -574,8 +574,8 @@ class EngineConfig:
     attention_backend: str = setting("auto", "auto: the C attention kernels on CPU where they build; torch: the "
                                      "plain PyTorch reference", choices=ATTENTION_BACKENDS)
     kv_cache_dtype: str = setting("auto", "KV cache element type (auto: the model's dtype, but bfloat16 for float32 "
-                                  "with quantized weights on CPU; int8: int8 values with a scale per token and "
-                                  "KV head, about half the bytes of a 16-bit cache)", choices=KV_CACHE_DTYPES)
+                                  "with quantized weights on CPU; int8: int8 values with a bfloat16 scale per 32, "
+                                  "about half the bytes of a 16-bit cache)", choices=KV_CACHE_DTYPES)
     quantization: str | None = setting(None, "default: GGUF quantized weights run quantized (CPU); none: "
                                        "dequantize everything; int8 | int4: also quantize dense weights at load",
                                        choices=tuple(m for m in QUANTIZATION_MODES if m))

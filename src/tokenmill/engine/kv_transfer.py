@@ -48,7 +48,7 @@ class LoadedKV:
     """K/V received for a request: the first `num_tokens` of its prompt, every layer."""
 
     token_ids: list[int]
-    kv: torch.Tensor   # [layers, 2, num_tokens, kv_heads, head_dim], the cache's dtype
+    kv: torch.Tensor   # [layers, 2, num_tokens, kv_heads, row], the cache's dtype and rows (int8: with scales)
 
     @property
     def num_tokens(self) -> int:

@@ -427,7 +427,8 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, tor
     if status == 3:
         raise ShmError("decode stack: a tensor-parallel all-reduce failed (a rank died or stopped answering)")
     if status == 2:
-        raise ValueError("decode stack: a layer plan has an unknown activation or needs local rotary tables")
+        raise ValueError("decode stack: a layer plan has an unknown activation or cache type, needs local rotary "
+                         "tables, or has a mixture of experts under tensor parallelism or with a sandwich norm")
     if status:
         raise MemoryError("decode stack: out of memory")
     return x

@@ -53,7 +53,8 @@ static inline float kv_value(const void *p, int64_t row, int64_t d, int64_t head
 }
 
 /* x [n] as the cache row starting at element `row` (int8: quantized as kernels.h says; a zero
- * group gets scale 0). */
+ * group gets scale 0; a group holding NaN a NaN scale and every value 0; NaN quotients (an infinite
+ * x) 0: as quantize_kv, byte for byte). */
 static inline void kv_store_row(void *p, int64_t row, const float *x, int64_t n, const int kv_type) {
     if (kv_type == TM_KV_F32) {
         memcpy((float *)p + row, x, sizeof(float) * (size_t)n);
@@ -64,12 +65,12 @@ static inline void kv_store_row(void *p, int64_t row, const float *x, int64_t n,
         for (int64_t g0 = 0; g0 < n; g0 += TM_KV_GROUP) {
             const int64_t end = g0 + TM_KV_GROUP < n ? g0 + TM_KV_GROUP : n;
             float amax = 0.0f;
-            for (int64_t i = g0; i < end; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            for (int64_t i = g0; i < end; i++) amax = isnan(x[i]) || fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
             const uint16_t h = float_to_bf16(amax / 127.0f);
             const float s = bf16_to_float(h);
             for (int64_t i = g0; i < end; i++) {
                 const float r = s > 0.0f ? nearbyintf(x[i] / s) : 0.0f;
-                q[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+                q[i] = isnan(r) ? 0 : (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
             }
             memcpy(q + n + 2 * (g0 / TM_KV_GROUP), &h, sizeof h);
         }

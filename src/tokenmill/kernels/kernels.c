@@ -54,16 +54,8 @@ static int valid_plan(const tm_layer_plan *layer, const float *cos_local, const 
     const int64_t act = layer->moe != NULL ? layer->moe->activation : layer->mlp.activation;
     const int64_t kv = layer->attn.kv_type;
     return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL)
-           && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8) && (layer->moe == NULL || shm == NULL);
-}
-
-/* x + out_norm(moe(rmsnorm(x))), in place (tmp: [batch, hidden] scratch). */
-static int moe_output(const tm_moe_plan *moe, float *x, int64_t batch, const float *out_norm, float eps, float *tmp,
-                      int num_threads) {
-    if (out_norm == NULL) return sparse_moe(moe, x, batch, x, x, num_threads);
-    if (sparse_moe(moe, x, batch, NULL, tmp, num_threads)) return 1;
-    add_rmsnorm(x, tmp, out_norm, eps, batch, moe->gate_up[0].in_features);
-    return 0;
+           && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8)
+           && (layer->moe == NULL || (shm == NULL && layer->mlp_out_norm == NULL));
 }
 
 /* x [batch, hidden] fp32, updated in place: for each layer,
@@ -89,7 +81,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
     const int64_t hidden = num_layers > 0 ? layers[0].attn.qkv.in_features : 0;
     float *qkv = malloc(sizeof(float) * (size_t)(batch * qkv_max));
     float *attn = malloc(sizeof(float) * (size_t)(batch * attn_max));
-    float *gate_up = malloc(sizeof(float) * (size_t)(batch * gate_up_max));
+    float *gate_up = malloc(sizeof(float) * (size_t)(batch * gate_up_max + 1));   /* (0 if every layer is MoE) */
     float *out = malloc(sizeof(float) * (size_t)(batch * hidden + 1));
     int failed = qkv == NULL || attn == NULL || gate_up == NULL || out == NULL;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
@@ -105,14 +97,14 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
         failed = failed
               || paged_decode_rotary(
                      qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, slots,
-                     a->k_cache, a->v_cache, (int)a->kv_type, block_tables, max_blocks, seq_lens, attn, batch, a->heads, a->kv_heads,
-                     a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm, a->k_norm,
-                     a->qk_norm_eps, num_threads, 0);
+                     a->k_cache, a->v_cache, (int)a->kv_type, block_tables, max_blocks, seq_lens, attn, batch, a->heads,
+                     a->kv_heads, a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm,
+                     a->k_norm, a->qk_norm_eps, num_threads, 0);
         if (!failed)
             failed = block_output(&a->o, attn, batch, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps,
                                   x, out, shm, num_threads);
-        if (!failed && layer->moe != NULL) {
-            failed = moe_output(layer->moe, x, batch, layer->mlp_out_norm, layer->mlp_out_norm_eps, out, num_threads);
+        if (!failed && layer->moe != NULL) {   /* x + moe(rmsnorm(x)), in place */
+            failed = sparse_moe(layer->moe, x, batch, x, x, num_threads);
             continue;
         }
         if (!failed)

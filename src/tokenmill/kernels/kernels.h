@@ -82,7 +82,7 @@ typedef struct {
 /* A decoder layer (layers/decoder.py DecoderLayer.plan):
  *   x = x + out_norm(attention block(x)),  x = x + out_norm(mlp block(x))
  * where out_norm is the identity, or with "sandwich" norms (Gemma 2/3) an RMSNorm of its own, and
- * the mlp block is `mlp`, or `moe` where that is not NULL. */
+ * the mlp block is `mlp`, or `moe` where that is not NULL (then without a sandwich norm). */
 typedef struct {
     tm_attention_plan attn;
     tm_mlp_plan mlp;
@@ -114,7 +114,8 @@ int64_t plan_struct_size(int which);
  * block_tables [batch, max_blocks], seq_lens [batch]. `shm`: this rank's tensor-parallel group (the
  * layers are its part: o and down row-parallel, their outputs all-reduced), or NULL. Returns 1 if
  * out of memory, 2 for a plan this code cannot run (an unknown activation or cache type, a local
- * layer without local tables, a mixture of experts under tensor parallelism), 3 if an all-reduce
+ * layer without local tables, a mixture of experts under tensor parallelism or with a sandwich norm),
+ * 3 if an all-reduce
  * failed (shm_exchange's -1 / -2). */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,

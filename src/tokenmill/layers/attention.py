@@ -33,6 +33,7 @@ from tokenmill import kernels
 from tokenmill.layers.op import KernelOp, set_backend
 
 KV_GROUP = 32   # an int8 cache row's values per bfloat16 scale (kernels.h TM_KV_GROUP)
+_CANONICAL_NAN = torch.tensor(float("nan"), dtype=torch.bfloat16)
 
 
 def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
@@ -43,14 +44,15 @@ def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     """K or V rows [..., head_dim] -> int8 cache rows [..., kv_row_width]: per group of 32 values (the
     last may be shorter) s = bfloat16(max |x| / 127) and q = round-half-even(x / s) clamped to +-127 (0
-    for a zero group); the values, then the groups' scales."""
+    for a zero group; NaN poisons its group's scale, its values 0); the values, then the groups' scales."""
     x = x.float()
     head_dim = x.shape[-1]
     groups = -(-head_dim // KV_GROUP)
     padded = F.pad(x, (0, groups * KV_GROUP - head_dim)).unflatten(-1, (groups, KV_GROUP))
     scale = (padded.abs().amax(dim=-1) / 127.0).to(torch.bfloat16)                 # [..., groups]
+    scale = torch.where(scale.isnan(), _CANONICAL_NAN, scale)   # one NaN's bits, as C's float_to_bf16
     step = scale.float().repeat_interleave(KV_GROUP, dim=-1)[..., :head_dim]
-    q = torch.where(step > 0, x / step, 0.0).round().clamp(-127, 127).to(torch.int8)
+    q = torch.where(step > 0, x / step, 0.0).round().clamp(-127, 127).nan_to_num(0.0).to(torch.int8)
     return torch.cat([q, scale.view(torch.int8)], dim=-1)
 
 

@@ -59,6 +59,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn.plan(self.attn_norm), self.mlp.plan(self.mlp_norm)
         if attn is None or mlp is None:
             return None
+        if isinstance(mlp[0], kernels.MoEPlan) and self.mlp_out_norm is not None:
+            return None   # (no family has both; decode_stack does not implement it)
         out_norms = [None if n is None else n.weight.float().contiguous()
                      for n in (self.attn_out_norm, self.mlp_out_norm)]
         # the MLP block: a tm_mlp_plan held in the layer's struct, or a tm_moe_plan it points to

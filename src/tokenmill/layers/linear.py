@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill import kernels, parallel
 from tokenmill.layers.activation import GATED_ACTIVATIONS
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.op import KernelOp
+from tokenmill.layers.op import KernelOp, invalidate_plans
 from tokenmill.layers.quant import QuantWeight
 
 
@@ -48,9 +48,11 @@ class _Weighted(KernelOp):
         return len(parts[self.tp.rank])
 
     def set_quantized(self, qweight: QuantWeight) -> None:
-        """Run with `qweight` instead of the dense weight (which is dropped)."""
+        """Run with `qweight` instead of the dense weight (which is dropped); C plans that point at
+        the old weight are rebuilt."""
         self.weight = None
         self.qweight = qweight
+        invalidate_plans()
 
     def kernel_weight(self) -> QuantWeight | None:
         """The quantized weight the kernels run, for a C plan; None where this layer runs dense or its

@@ -89,20 +89,21 @@ class SparseMoE(KernelOp):
         if shared_expert_intermediate_size is not None:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, activation)
             self.shared_expert_gate = Linear(hidden_size, 1, keep_dense=True)
-        self._plans: dict[int, tuple[kernels.MoEPlan, list[object]] | None] = {}   # by id(norm)
+        # by id(norm): (the norm, its plan), rebuilt when a backend or a weight changes
+        self._plans: dict[int, tuple[RMSNorm | None, tuple[kernels.MoEPlan, list[object]] | None]] = {}
         self._plans_generation = -1
 
     def plan(self, norm: RMSNorm | None) -> tuple[kernels.MoEPlan, list[object]] | None:
         """This block as kernels.h's tm_moe_plan with `norm` as its input norm (and what it points
         into), or None where the C code does not run it: backend torch, an expert or the shared expert
         not quantized (or under tensor parallelism: kernel_weight), biases, a norm pinned to its
-        reference, an activation the kernel does not fuse. Built once per norm and backend setting."""
+        reference. Built once per norm, until a backend or a weight changes (op.invalidate_plans)."""
         if self._plans_generation != backend_generation():
             self._plans, self._plans_generation = {}, backend_generation()
-        key = id(norm)
-        if key not in self._plans:
-            self._plans[key] = self._build_plan(norm)
-        return self._plans[key]
+        entry = self._plans.get(id(norm))
+        if entry is None or entry[0] is not norm:
+            entry = self._plans[id(norm)] = (norm, self._build_plan(norm))
+        return entry[1]
 
     def _build_plan(self, norm: RMSNorm | None) -> tuple[kernels.MoEPlan, list[object]] | None:
         mlps = [*self.experts, *([] if self.shared_expert is None else [self.shared_expert])]
@@ -112,7 +113,7 @@ class SparseMoE(KernelOp):
             linears.append(self.shared_expert_gate)
         if (self.backend != "auto" or self.gate.tp.size > 1 or any(w is None for pair in weights for w in pair)
                 or any(lin.bias is not None for lin in linears) or (norm is not None and norm.backend != "auto")
-                or self.experts[0].activation not in kernels.GATES or self.gate.weight.device.type != "cpu"):
+                or self.gate.weight.device.type != "cpu"):
             return None
         arrays = [(kernels.QuantWeightPlan * len(weights))(*(w.plan() for w, _ in weights)),
                   (kernels.QuantWeightPlan * len(weights))(*(w.plan() for _, w in weights))]
@@ -131,7 +132,7 @@ class SparseMoE(KernelOp):
                                norm_eps=0.0 if norm is None else norm.eps, num_experts=self.num_experts,
                                top_k=self.top_k, renormalize=int(self.renormalize),
                                activation=kernels.gate_code(self.experts[0].activation), **shared)
-        return plan, [*arrays, *tensors]
+        return plan, [*arrays, *tensors, *(w for pair in weights for w in pair)]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choices for x [T, hidden] (already normalized): (weights [T, k], experts
@@ -151,6 +152,8 @@ class SparseMoE(KernelOp):
         plan = self.plan(norm) if x.dtype == torch.float32 else None
         if plan is None:
             return self.forward_native(x, norm, residual)
+        assert x.dim() == 2 and x.shape[1] == self.gate.weight.shape[1], x.shape
+        assert residual is None or residual.shape == x.shape, (residual.shape, x.shape)
         return kernels.sparse_moe(plan[0], x, residual)
 
     def forward_native(self, x: torch.Tensor, norm: RMSNorm | None = None,

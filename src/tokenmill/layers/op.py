@@ -20,18 +20,24 @@ class KernelOp(nn.Module):
         self.backend = "auto"   # "torch": always forward_native
 
 
-_generation = 0  # bumped by every set_backend: plans built from the ops' choices are rebuilt
+_generation = 0  # bumped by every set_backend and weight swap: plans built before are rebuilt
 
 
 def backend_generation() -> int:
     return _generation
 
 
+def invalidate_plans() -> None:
+    """C plans built so far (they hold the ops' choices and raw pointers to their weights) are
+    stale: the next step rebuilds them."""
+    global _generation
+    _generation += 1
+
+
 def set_backend(model: nn.Module, backend: str,
                 op_type: type[KernelOp] | tuple[type[KernelOp], ...] = KernelOp) -> None:
     """Run every `op_type` op of `model` with `backend` ("auto" or "torch")."""
-    global _generation
-    _generation += 1
+    invalidate_plans()
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     for module in model.modules():

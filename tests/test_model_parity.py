@@ -23,10 +23,13 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    inp = torch.tensor([prompt])
-    out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    """n greedy tokens, each from a full forward pass over the sequence so far. (Not `generate` with
+    min_new_tokens: that masks the EOS token until the end, which ignore_eos does not, so a model
+    whose argmax is EOS somewhere would part from ours there.)"""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def _check(engine, ref_model, atol: float) -> None:

@@ -38,8 +38,13 @@ START_TIMEOUT_S = 300
 
 
 class Server:
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 probe_loading: bool = False):
+        """`probe_loading`: while it loads, send a /v1 request at each /health poll (v1_while_loading);
+        off by default, as a probe sent just as loading ends is a real request (it would show in
+        the server's counters)."""
         self.port = free_port()
+        self.probe_loading = probe_loading
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_seen: list[tuple[int, str]] = []      # /health answers while starting
@@ -66,6 +71,9 @@ class Server:
             self.health_seen.append((r.status_code, r.json()["status"]))
             if r.status_code == 200:
                 return
+            if not self.probe_loading:
+                time.sleep(0.2)
+                continue
             v1 = httpx.post(self.base + "/v1/completions", json={"prompt": "x"}, headers=auth(key), timeout=5)
             after = httpx.get(self.base + "/health", timeout=5).status_code
             self.v1_while_loading.append((v1.status_code, after))
@@ -100,7 +108,8 @@ def server(default_gguf_path, tmp_path_factory) -> Server:
     # that the start-up test sees requests refused while it loads (from the cache it can take ms)
     s = Server([str(default_gguf_path), "--dtype", "float32", "--device", "cpu",
                 "--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
-                "--max-queued-requests", "2", "--no-weight-cache"], log, {"TOKENMILL_API_KEY": KEY})
+                "--max-queued-requests", "2", "--no-weight-cache"], log, {"TOKENMILL_API_KEY": KEY},
+               probe_loading=True)
     with running(s, KEY):
         yield s
 

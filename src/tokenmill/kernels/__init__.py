@@ -64,7 +64,7 @@ def _cpu_flags() -> str:
 
 _DIR = Path(__file__).parent
 # the attention kernels' kv_type argument (kernels.h TM_KV_*) by KV-cache dtype: torch.int8 is the
-# int8 cache with a scale per row (layers/attention.py quantize_kv)
+# int8 cache with a bfloat16 scale per group of 32 (layers/attention.py quantize_kv)
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 

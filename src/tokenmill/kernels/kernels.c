@@ -17,12 +17,6 @@ int64_t plan_struct_size(int which) {
     }
 }
 
-static int matmul(const tm_quant_weight *w, const float *x, int64_t batch, int gated, const float *norm, float eps,
-                  const float *residual, float *y, int num_threads) {
-    return quant_matmul(x, batch, w->in_features, w->packed, w->scales, w->offsets, w->out_features, (int)w->bits,
-                        gated, norm, eps, residual, y, 0, num_threads);
-}
-
 /* x [batch, n] += rmsnorm(y) row by row (norm.h: the same bits as the layer loop's RMSNorm, then its
  * residual add); y is normed in place. */
 static void add_rmsnorm(float *x, float *y, const float *w, float eps, int64_t batch, int64_t n) {
@@ -41,10 +35,10 @@ static int block_output(const tm_quant_weight *w, const float *a, int64_t batch,
     const int64_t n = batch * w->out_features;
     if (out_norm == NULL) {
         const float *residual = shm == NULL || shm->rank == 0 ? x : NULL;
-        if (matmul(w, a, batch, gated, NULL, 0.0f, residual, x, num_threads)) return 1;
+        if (plan_matmul(w, a, batch, gated, NULL, 0.0f, residual, x, num_threads)) return 1;
         return shm != NULL && shm_all_reduce(shm, x, n, 0) ? 3 : 0;
     }
-    if (matmul(w, a, batch, gated, NULL, 0.0f, NULL, tmp, num_threads)) return 1;
+    if (plan_matmul(w, a, batch, gated, NULL, 0.0f, NULL, tmp, num_threads)) return 1;
     if (shm != NULL && shm_all_reduce(shm, tmp, n, 0)) return 3;
     add_rmsnorm(x, tmp, out_norm, eps, batch, w->out_features);
     return 0;
@@ -89,7 +83,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
         const tm_attention_plan *a = &layer->attn;
         const tm_mlp_plan *m = &layer->mlp;
         const int64_t qkv_n = a->qkv.out_features;
-        failed = matmul(&a->qkv, x, batch, TM_GATE_NONE, a->norm, a->norm_eps, NULL, qkv, num_threads);
+        failed = plan_matmul(&a->qkv, x, batch, TM_GATE_NONE, a->norm, a->norm_eps, NULL, qkv, num_threads);
         if (!failed && a->qkv_bias != NULL) {  /* added after the matmul, as the layer loop adds it */
             for (int64_t i = 0; i < batch; i++)
                 for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += a->qkv_bias[j];
@@ -108,7 +102,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
             continue;
         }
         if (!failed)
-            failed = matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads);
+            failed = plan_matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads);
         if (!failed)
             failed = block_output(&m->down, gate_up, batch, (int)m->activation, layer->mlp_out_norm,
                                   layer->mlp_out_norm_eps, x, out, shm, num_threads);

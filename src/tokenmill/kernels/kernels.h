@@ -10,7 +10,7 @@
  *   norm.c           rms_norm
  *   shm_exchange.c   shm_exchange, shm_all_reduce, shm_header_bytes
  * Their shared inline helpers live in simd.h (vector math, fixed-order sums), norm.h (RMSNorm) and
- * attention.h (K/V access, softmax). */
+ * attention.h (K/V access, softmax); plan_matmul (below) runs quant_matmul on a plan's weight. */
 #ifndef TOKENMILL_KERNELS_H
 #define TOKENMILL_KERNELS_H
 
@@ -133,6 +133,13 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                  const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads);
 int quant_matmul_has_simd(void);
+
+/* quant_matmul for a plan's weight (decode_stack's layers, sparse_moe's experts). */
+static inline int plan_matmul(const tm_quant_weight *w, const float *x, int64_t rows, int gated, const float *norm_w,
+                              float eps, const float *residual, float *y, int num_threads) {
+    return quant_matmul(x, rows, w->in_features, w->packed, w->scales, w->offsets, w->out_features, (int)w->bits,
+                        gated, norm_w, eps, residual, y, 0, num_threads);
+}
 
 /* y [m, n] fp32 = x [m, k] fp32 @ W^T for a dense bfloat16 W [n, k] (dense_matmul.c), for a few rows;
  * generic: force the portable C loops. Returns 1 if out of memory. */

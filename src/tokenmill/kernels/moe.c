@@ -25,11 +25,6 @@
 #include "kernels.h"
 #include "norm.h"
 
-static int matmul(const tm_quant_weight *w, const float *x, int64_t rows, int gated, float *y, int num_threads) {
-    return quant_matmul(x, rows, w->in_features, w->packed, w->scales, w->offsets, w->out_features, (int)w->bits,
-                        gated, NULL, 0.0f, NULL, y, 0, num_threads);
-}
-
 /* The dot products of h with 4 consecutive rows of w [.., n]: four independent sums in one pass. */
 static void dot4(const float *h, const float *w, int64_t n, float *out) {
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
@@ -91,8 +86,9 @@ static int run_expert(const tm_quant_weight *gate_up, const tm_quant_weight *dow
     }
     float *mid = malloc(sizeof(float) * (size_t)(count * gate_up->out_features));
     int failed = mid == NULL
-              || matmul(gate_up, gathered != NULL ? gathered : h, count, TM_GATE_NONE, mid, num_threads)
-              || matmul(down, mid, count, activation, y, num_threads);
+              || plan_matmul(gate_up, gathered != NULL ? gathered : h, count, TM_GATE_NONE, NULL, 0.0f, NULL, mid,
+                             num_threads)
+              || plan_matmul(down, mid, count, activation, NULL, 0.0f, NULL, y, num_threads);
     free(gathered); free(mid);
     return failed;
 }

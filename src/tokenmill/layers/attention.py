@@ -51,7 +51,7 @@ def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     padded = F.pad(x, (0, groups * KV_GROUP - head_dim)).unflatten(-1, (groups, KV_GROUP))
     scale = (padded.abs().amax(dim=-1) / 127.0).to(torch.bfloat16)                 # [..., groups]
     scale = torch.where(scale.isnan(), _CANONICAL_NAN, scale)   # one NaN's bits, as C's float_to_bf16
-    step = scale.float().repeat_interleave(KV_GROUP, dim=-1)[..., :head_dim]
+    step = _per_value(scale, head_dim)
     q = torch.where(step > 0, x / step, 0.0).round().clamp(-127, 127).nan_to_num(0.0).to(torch.int8)
     return torch.cat([q, scale.view(torch.int8)], dim=-1)
 
@@ -60,8 +60,13 @@ def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
     """int8 cache rows [..., kv_row_width] -> float32 [..., head_dim]: q * s."""
     groups = -(-rows.shape[-1] // (KV_GROUP + 2))   # the width is head_dim + 2 groups, head_dim <= 32 groups
     head_dim = rows.shape[-1] - 2 * groups
-    scale = rows[..., head_dim:].contiguous().view(torch.bfloat16).float()
-    return rows[..., :head_dim].float() * scale.repeat_interleave(KV_GROUP, dim=-1)[..., :head_dim]
+    scale = rows[..., head_dim:].contiguous().view(torch.bfloat16)
+    return rows[..., :head_dim].float() * _per_value(scale, head_dim)
+
+
+def _per_value(scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Group scales [..., groups] as float32 per value [..., head_dim]."""
+    return scale.float().repeat_interleave(KV_GROUP, dim=-1)[..., :head_dim]
 
 
 def to_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -260,13 +260,16 @@ def test_c_block_equals_the_pytorch_steps(kind, bits):
     _, experts = moe.route(x)
     assert torch.bincount(experts.flatten(), minlength=NUM_EXPERTS).tolist() == counts
     # moe.c runs the experts as one-thread tasks when there are at least as many as threads, else
-    # each expert's matmuls on every thread: 1 and 16 threads take the two ways, with the same bits
+    # each expert's matmuls on every thread: 16 and 1 threads take the two ways, with the same bits.
+    # (Rows no call has seen yet, 16 threads first: scratch memory the allocator hands back must not
+    # already hold their results, or a path that skipped work would still look right.)
+    z = torch.randn(6, HIDDEN)
     saved = torch.get_num_threads()
     try:
         outputs = []
-        for threads in (1, 16):
+        for threads in (16, 1):
             torch.set_num_threads(threads)
-            outputs.append(moe(x, norm, x))
+            outputs.append(moe(z, norm, z))
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(outputs[0], outputs[1])

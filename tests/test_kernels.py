@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 
@@ -807,6 +808,111 @@ def test_bf16_matmul_equals_the_exact_product(generic, m, n, k):
     got = kernels.bf16_matmul(x, w, generic=generic)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     torch.testing.assert_close(got.double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize(("gated", "norm", "residual"), [("silu", False, True), ("gelu_tanh", True, False),
+                                                         (None, True, True)])
+def test_bf16_matmul_fuses_the_input_ops_and_the_residual(generic, gated, norm, residual):
+    """bf16_matmul's fused input ops (rows.h, quant_matmul's: act(gate) * up, then an RMSNorm) and residual
+    add == the ops done apart, in float64 (the decode stack runs a bf16 model's projections this way)."""
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 3, 40, 96
+    x = torch.randn(m, 2 * k if gated else k, generator=g) * 2
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    res = torch.randn(m, n, generator=g) if residual else None
+    got = kernels.bf16_matmul(x, w, generic=generic, gated=gated, norm=(norm_w, 1e-5) if norm else None,
+                              residual=res)
+    h = x.double()
+    if gated == "silu":
+        h = F.silu(h[:, :k]) * h[:, k:]
+    elif gated == "gelu_tanh":
+        h = F.gelu(h[:, :k], approximate="tanh") * h[:, k:]
+    if norm:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+    want = h @ w.double().t() + (0 if res is None else res.double())
+    torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-5)
+    plain = kernels.bf16_matmul(x[:, :k], w, generic=generic)
+    assert not torch.allclose(plain.double(), want, atol=1e-2)   # the fused ops change the result
+
+
+def _first_decode_step(llm: LLM, prompts: list[list[int]]) -> tuple:
+    """(a copy of the model as it was before the engine's first decode-only step, that step's input
+    ids, positions and metadata): the copy holds its own clone of the K/V cache of that moment."""
+    model = llm.engine.model.model
+    captured = []
+    real = model.forward
+
+    def forward(input_ids, positions, meta):
+        if meta.is_decode_only and not captured:
+            captured.append((copy.deepcopy(model), input_ids.clone(), positions.clone(), meta))
+        return real(input_ids, positions, meta)
+
+    model.forward = forward
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    del model.forward
+    return captured[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_decode_stack_runs_a_bf16_model_in_float32(tiny_gguf_model, kind):
+    """A bfloat16 model (an F16 GGUF, dense weights) runs its decode steps through the C stack, the
+    weights through bf16_matmul with float32 activations: from the same cache and input, the stack's
+    hidden states == the layer loop of that model made float32 (weights = the bf16 values, the same
+    bf16 K/V cache) up to float32 summation order, and far closer to it than the model's own bf16
+    layer loop (so the stack computes every op, in float32)."""
+    llm = LLM(str(tiny_gguf_model(kind, "F16")), dtype="bfloat16", num_kv_blocks=64, block_size=4)
+    assert weight_forms(llm.engine.model) == {"dense": weight_forms(llm.engine.model)["dense"]}
+    snapshot, ids, positions, meta = _first_decode_step(llm, [[1, 5, 9, 2], list(range(3, 30)), [7] * 13])
+
+    def layers(float32: bool, stack: bool) -> torch.Tensor:
+        model = copy.deepcopy(snapshot)   # (each run writes the step's K/V into its own cache)
+        x = model.embed_tokens(ids)
+        if model.embed_scale is not None:
+            x = x * torch.tensor(model.embed_scale, dtype=x.dtype)
+        ropes = {"global": model.rotary(positions)}
+        if model.rotary_local is not None:
+            ropes["local"] = model.rotary_local(positions)
+        ropes = {name: tuple(t.float() for t in rope) for name, rope in ropes.items()}
+        if stack:
+            plan = model.stack_plan(x, meta)
+            assert plan is not None and plan.max_rows == kernels.DENSE_MATMUL_MAX_ROWS
+            return kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
+                                        meta.seq_lens_tensor, ropes.get("local"))
+        if float32:
+            model.float()
+            x = x.float()
+        for layer in model.layers:
+            x = layer(x, ropes if float32 else {n: tuple(t.to(x.dtype) for t in r) for n, r in ropes.items()}, meta)
+        return x.float()
+
+    reference = layers(float32=True, stack=False)
+    stack_error = (layers(float32=False, stack=True) - reference).abs().max().item()
+    bf16_error = (layers(float32=False, stack=False) - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    assert stack_error <= 1e-5 * scale, (stack_error, scale)
+    assert stack_error * 50 < bf16_error, (stack_error, bf16_error)
+
+
+def test_a_bf16_model_takes_the_stack_for_a_few_rows_only(tiny_gguf_model, monkeypatch):
+    """bf16_matmul is for a few rows: a bf16 model's decode steps of up to DENSE_MATMUL_MAX_ROWS rows run
+    the C stack, larger ones the layer loop (PyTorch's bf16 matmul)."""
+    path = str(tiny_gguf_model("llama", "F16"))
+    rows = []
+    real = kernels.decode_stack
+    monkeypatch.setattr(kernels, "decode_stack", lambda plan, x, *a: rows.append(x.shape[0]) or real(plan, x, *a))
+    prompts = [[1 + i, 5, 9, 2 + i] for i in range(12)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for max_num_seqs in (12, 4):
+        rows.clear()
+        llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_num_seqs=max_num_seqs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+        if max_num_seqs == 12:   # every decode step has 12 rows
+            assert rows == []
+        else:
+            assert rows and set(rows) <= {1, 2, 3, 4}
 
 
 def test_bf16_linear_decode_rows_take_the_kernel(monkeypatch):

@@ -124,7 +124,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = i32
-    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]
+    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.bf16_matmul.restype = i32
     lib.sparse_moe.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
     lib.sparse_moe.restype = i32
@@ -308,15 +308,20 @@ def uses_bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.numel() // max(x.shape[-1], 1) <= DENSE_MATMUL_MAX_ROWS and load() is not None)
 
 
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, generic: bool = False) -> torch.Tensor:
-    """fp32 [..., N] = x [..., K] @ weight^T for a bf16 weight [N, K] (dense_matmul.c: the products
-    exact in fp32, summed in fp32). `generic` runs the portable C loops (the tests' reference)."""
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, generic: bool = False, gated: str | None = None,
+                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [..., N] = f(x) @ weight^T (+ residual) for a bf16 weight [N, K] (dense_matmul.c: the products
+    exact in fp32, summed in fp32); f, `gated` and `norm` as quant_matmul's (x [..., 2K] when gated).
+    `generic` runs the portable C loops (the tests' reference)."""
     n, k = weight.shape
-    rows = x.reshape(-1, k).float().contiguous()
+    rows = x.reshape(-1, 2 * k if gated else k).float().contiguous()
     weight = weight.contiguous()
     y = torch.empty(rows.shape[0], n)
-    if load().bf16_matmul(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, y.data_ptr(), int(generic),
-                          torch.get_num_threads()):
+    norm_w, eps = (norm[0].float().contiguous(), norm[1]) if norm is not None else (None, 0.0)
+    if residual is not None:
+        residual = residual.reshape(y.shape).float().contiguous()
+    if load().bf16_matmul(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, gate_code(gated), pointer(norm_w),
+                          eps, pointer(residual), y.data_ptr(), int(generic), torch.get_num_threads()):
         raise MemoryError("bf16 matmul: out of memory for the activation buffer")
     return y.view(*x.shape[:-1], n)
 
@@ -335,13 +340,16 @@ def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 # ctypes mirrors of kernels.h's plan structs (same fields, same order; test_kernels checks the sizes).
 
 
-class QuantWeightPlan(ctypes.Structure):
+DENSE_BITS = 16   # kernels.h tm_weight: `bits` of a dense bfloat16 weight
+
+
+class WeightPlan(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64)]
 
 
 class AttentionPlan(ctypes.Structure):
-    _fields_ = [("qkv", QuantWeightPlan), ("o", QuantWeightPlan), ("qkv_bias", ctypes.c_void_p),
+    _fields_ = [("qkv", WeightPlan), ("o", WeightPlan), ("qkv_bias", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_type", ctypes.c_int64),
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
@@ -350,7 +358,7 @@ class AttentionPlan(ctypes.Structure):
 
 
 class MLPPlan(ctypes.Structure):
-    _fields_ = [("gate_up", QuantWeightPlan), ("down", QuantWeightPlan), ("norm", ctypes.c_void_p),
+    _fields_ = [("gate_up", WeightPlan), ("down", WeightPlan), ("norm", ctypes.c_void_p),
                 ("norm_eps", ctypes.c_float), ("activation", ctypes.c_int64)]
 
 
@@ -391,7 +399,7 @@ class ShmPlan(ctypes.Structure):
                 ("stats", ctypes.c_void_p), ("rank", ctypes.c_int32), ("size", ctypes.c_int32)]
 
 
-PLAN_STRUCTS = (QuantWeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan, MoEPlan)  # plan_struct_size's numbering
+PLAN_STRUCTS = (WeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan, MoEPlan)  # plan_struct_size's numbering
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -401,11 +409,14 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 class StackPlan:
     """The layers' plans as one C array for decode_stack; holds what they point into (tensors, and
-    ctypes objects such as a MoEPlan and its arrays)."""
+    ctypes objects such as a MoEPlan and its arrays). `max_rows`: the most rows a step may have to run
+    it (None: any), DENSE_MATMUL_MAX_ROWS where a weight is dense (bf16_matmul is for a few rows)."""
 
     def __init__(self, layers: list[LayerPlan], tensors: list[object]):
         self.layers = (LayerPlan * len(layers))(*layers)
         self.tensors = tensors
+        weights = [w for p in layers for w in (p.attn.qkv, p.attn.o) + (() if p.moe else (p.mlp.gate_up, p.mlp.down))]
+        self.max_rows = DENSE_MATMUL_MAX_ROWS if any(w.bits == DENSE_BITS for w in weights) else None
 
 
 def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
@@ -427,8 +438,8 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, tor
     if status == 3:
         raise ShmError("decode stack: a tensor-parallel all-reduce failed (a rank died or stopped answering)")
     if status == 2:
-        raise ValueError("decode stack: a layer plan has an unknown activation or cache type, needs local rotary "
-                         "tables, or has a mixture of experts under tensor parallelism or with a sandwich norm")
+        raise ValueError("decode stack: a layer plan has an unknown weight, activation or cache type, needs local "
+                         "rotary tables, or has a mixture of experts under tensor parallelism or with a sandwich norm")
     if status:
         raise MemoryError("decode stack: out of memory")
     return x

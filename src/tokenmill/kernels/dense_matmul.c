@@ -1,10 +1,11 @@
-/* y = x W^T for a dense bfloat16 weight and a few float32 activation rows (decode steps of a bf16
- * model, its LM head): PyTorch's bf16 matmul does these skinny products far below the memory's
- * rate, while each weight is read once and used by at most a few rows, so the product is bound by
- * the weight's bytes.
+/* y = f(x) W^T (+ residual) for a dense bfloat16 weight and a few float32 activation rows (decode
+ * steps of a bf16 model, in its layers or in decode_stack, and its LM head): PyTorch's bf16 matmul
+ * does these skinny products far below the memory's rate, while each weight is read once and used by
+ * at most a few rows, so the product is bound by the weight's bytes.
  *
- * x [m, k] fp32, w [n, k] bf16 (row-major), y [m, n] fp32: y[i][j] = sum_c x[i][c] w[j][c], the
- * products exact in fp32 (a bf16 value is an fp32 value) and summed in fp32.
+ * x [m, k] fp32 ([m, 2k] when gated), w [n, k] bf16 (row-major), y [m, n] fp32: y[i][j] = sum_c
+ * f(x)[i][c] w[j][c] (+ residual[i][j]), the products exact in fp32 (a bf16 value is an fp32 value)
+ * and summed in fp32; f: the fused input ops of rows.h, as quant_matmul's.
  *
  * AVX-512 (k a multiple of 32): each 32 weights of a row come from one 64-byte load as two vectors,
  * their even and odd elements (a shift and a mask: attention.h's row order), so the activation rows
@@ -14,13 +15,14 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "rows.h"
 #include "simd.h"
 
 #define NB 4   /* weight rows per block */
 #define MB 4   /* activation rows per block */
 
-static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                          int num_threads) {
+static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
+                          float *y, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > (1 << 18))
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
@@ -29,7 +31,7 @@ static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *
                 union { uint32_t u; float f; } v = {(uint32_t)w[j * k + c] << 16};
                 acc += x[i * k + c] * v.f;
             }
-            y[i * n + j] = acc;
+            y[i * n + j] = residual != NULL ? acc + residual[i * n + j] : acc;
         }
 }
 
@@ -37,7 +39,7 @@ static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *
 /* Rows [i0, i0 + MR) of x (permuted: xp) against weight rows [j0, j0 + NR) (MR, NR constant at the
  * call site, so the 16 accumulators stay in registers). */
 static ALWAYS_INLINE void dense_block(const int MR, const int NR, const float *xp, int64_t k, const uint16_t *w,
-                                      int64_t n, float *y, int64_t i0, int64_t j0) {
+                                      int64_t n, const float *residual, float *y, int64_t i0, int64_t j0) {
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     __m512 acc[MB][NB];
     for (int i = 0; i < MR; i++)
@@ -56,24 +58,27 @@ static ALWAYS_INLINE void dense_block(const int MR, const int NR, const float *x
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) y[(i0 + i) * n + j0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int j = 0; j < NR; j++) {
+            const int64_t at = (i0 + i) * n + j0 + j;
+            const float sum = _mm512_reduce_add_ps(acc[i][j]);
+            y[at] = residual != NULL ? sum + residual[at] : sum;
+        }
 }
 
-static ALWAYS_INLINE void dense_rows(const int MR, const float *xp, int64_t k, const uint16_t *w, int64_t n, float *y,
-                                     int64_t i0, int64_t j0) {
+static ALWAYS_INLINE void dense_rows(const int MR, const float *xp, int64_t k, const uint16_t *w, int64_t n,
+                                     const float *residual, float *y, int64_t i0, int64_t j0) {
     switch (n - j0 < NB ? n - j0 : NB) {
-        case 1: dense_block(MR, 1, xp, k, w, n, y, i0, j0); break;
-        case 2: dense_block(MR, 2, xp, k, w, n, y, i0, j0); break;
-        case 3: dense_block(MR, 3, xp, k, w, n, y, i0, j0); break;
-        default: dense_block(MR, NB, xp, k, w, n, y, i0, j0); break;
+        case 1: dense_block(MR, 1, xp, k, w, n, residual, y, i0, j0); break;
+        case 2: dense_block(MR, 2, xp, k, w, n, residual, y, i0, j0); break;
+        case 3: dense_block(MR, 3, xp, k, w, n, residual, y, i0, j0); break;
+        default: dense_block(MR, NB, xp, k, w, n, residual, y, i0, j0); break;
     }
 }
 
-static int dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                        int num_threads) {
-    float *xp = aligned_alloc(64, sizeof(float) * (size_t)(m * k));   /* x in the weights' even/odd order */
-    if (xp == NULL) return 1;
-    for (int64_t i = 0; i < m; i++)
+/* x's rows are already prepared (f applied); xp: scratch [m, k], 64-byte aligned. */
+static void dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
+                         float *y, float *xp, int num_threads) {
+    for (int64_t i = 0; i < m; i++)   /* x in the weights' even/odd order */
         for (int64_t c = 0; c < k; c += 32)
             for (int64_t e = 0; e < 16; e++) {
                 xp[i * k + c + e] = x[i * k + c + 2 * e];
@@ -83,24 +88,40 @@ static int dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w,
     for (int64_t jb = 0; jb < (n + NB - 1) / NB; jb++)
         for (int64_t i0 = 0; i0 < m; i0 += MB) {
             switch (m - i0 < MB ? m - i0 : MB) {
-                case 1: dense_rows(1, xp, k, w, n, y, i0, jb * NB); break;
-                case 2: dense_rows(2, xp, k, w, n, y, i0, jb * NB); break;
-                case 3: dense_rows(3, xp, k, w, n, y, i0, jb * NB); break;
-                default: dense_rows(MB, xp, k, w, n, y, i0, jb * NB); break;
+                case 1: dense_rows(1, xp, k, w, n, residual, y, i0, jb * NB); break;
+                case 2: dense_rows(2, xp, k, w, n, residual, y, i0, jb * NB); break;
+                case 3: dense_rows(3, xp, k, w, n, residual, y, i0, jb * NB); break;
+                default: dense_rows(MB, xp, k, w, n, residual, y, i0, jb * NB); break;
             }
         }
-    free(xp);
-    return 0;
 }
 #endif
 
-int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y, int generic,
-                int num_threads) {
+int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated, const float *norm_w,
+                float eps, const float *residual, float *y, int generic, int num_threads) {
+    const int fused = gated || norm_w != NULL;
+    const int64_t ldx = gated ? 2 * k : k;
 #ifdef HAVE_AVX512
-    if (!generic && k % 32 == 0) return dense_avx512(x, m, k, w, n, y, num_threads);
+    const int simd = !generic && k % 32 == 0;
 #else
+    const int simd = 0;
     (void)generic;
 #endif
-    dense_generic(x, m, k, w, n, y, num_threads);
+    /* rows: f(x) contiguous [m, k] (x itself when there is nothing to apply); xp: the permuted rows */
+    float *rows = fused ? malloc(sizeof(float) * (size_t)(m * k + 1)) : NULL;
+    float *xp = simd ? aligned_alloc(64, (sizeof(float) * (size_t)(m * k) + 63) / 64 * 64 + 64) : NULL;
+    if ((fused && rows == NULL) || (simd && xp == NULL)) {
+        free(rows); free(xp);
+        return 1;
+    }
+    if (fused)   /* (then prepare_row writes each row into `rows`) */
+        for (int64_t i = 0; i < m; i++) prepare_row(x + i * ldx, k, gated, norm_w, eps, rows + i * k, generic);
+    const float *in = fused ? rows : x;
+#ifdef HAVE_AVX512
+    if (simd) dense_avx512(in, m, k, w, n, residual, y, xp, num_threads);
+    else
+#endif
+        dense_generic(in, m, k, w, n, residual, y, num_threads);
+    free(rows); free(xp);
     return 0;
 }

@@ -7,7 +7,7 @@
 
 int64_t plan_struct_size(int which) {
     switch (which) {
-        case 0: return (int64_t)sizeof(tm_quant_weight);
+        case 0: return (int64_t)sizeof(tm_weight);
         case 1: return (int64_t)sizeof(tm_attention_plan);
         case 2: return (int64_t)sizeof(tm_mlp_plan);
         case 3: return (int64_t)sizeof(tm_layer_plan);
@@ -30,7 +30,7 @@ static void add_rmsnorm(float *x, float *y, const float *w, float eps, int64_t b
  * matmul when there is no sandwich norm (tmp: [batch, hidden] scratch). Under tensor parallelism
  * (shm) w is row-parallel: y is summed over the ranks first, rank 0 adding the residual to its part
  * (layers/linear.py Linear.forward, the same bits). */
-static int block_output(const tm_quant_weight *w, const float *a, int64_t batch, int gated, const float *out_norm,
+static int block_output(const tm_weight *w, const float *a, int64_t batch, int gated, const float *out_norm,
                         float eps, float *x, float *tmp, const tm_shm *shm, int num_threads) {
     const int64_t n = batch * w->out_features;
     if (out_norm == NULL) {
@@ -44,10 +44,16 @@ static int block_output(const tm_quant_weight *w, const float *a, int64_t batch,
     return 0;
 }
 
+static int valid_weight(const tm_weight *w) {
+    return w->bits == 4 || w->bits == 8 || w->bits == 16;
+}
+
 static int valid_plan(const tm_layer_plan *layer, const float *cos_local, const tm_shm *shm) {
     const int64_t act = layer->moe != NULL ? layer->moe->activation : layer->mlp.activation;
     const int64_t kv = layer->attn.kv_type;
     return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL)
+           && valid_weight(&layer->attn.qkv) && valid_weight(&layer->attn.o)
+           && (layer->moe != NULL || (valid_weight(&layer->mlp.gate_up) && valid_weight(&layer->mlp.down)))
            && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8)
            && (layer->moe == NULL || (shm == NULL && layer->mlp_out_norm == NULL));
 }

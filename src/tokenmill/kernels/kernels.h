@@ -9,23 +9,26 @@
  *   kernels.c        decode_stack, plan_struct_size
  *   norm.c           rms_norm
  *   shm_exchange.c   shm_exchange, shm_all_reduce, shm_header_bytes
- * Their shared inline helpers live in simd.h (vector math, fixed-order sums), norm.h (RMSNorm) and
- * attention.h (K/V access, softmax); plan_matmul (below) runs quant_matmul on a plan's weight. */
+ * Their shared inline helpers live in simd.h (vector math, fixed-order sums), norm.h (RMSNorm),
+ * attention.h (K/V access, softmax) and rows.h (a matmul's fused input ops); plan_matmul (below) runs a
+ * plan's weight. */
 #ifndef TOKENMILL_KERNELS_H
 #define TOKENMILL_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-/* A [out_features, in_features] weight packed by layers/quant.py for quant_matmul (layout there). */
+/* A [out_features, in_features] weight of a plan (plan_matmul runs it): packed by layers/quant.py for
+ * quant_matmul (bits 4 or 8: layout there), or dense bfloat16, row-major (bits 16: `packed` holds it,
+ * no scales or offsets; bf16_matmul). */
 typedef struct {
     const uint8_t *packed;
-    const uint16_t *scales;     /* fp16 */
-    const uint16_t *offsets;    /* fp16 */
+    const uint16_t *scales;     /* fp16, or NULL (bits 16) */
+    const uint16_t *offsets;    /* fp16, or NULL (bits 16) */
     int64_t out_features;
     int64_t in_features;
-    int64_t bits;               /* 4 or 8 */
-} tm_quant_weight;
+    int64_t bits;               /* 4 or 8 (quantized), 16 (dense bfloat16) */
+} tm_weight;
 
 /* K/V cache element types. A float32 or bfloat16 row of a (token, kv head) is its head_dim values. An
  * int8 row is head_dim int8 values q, then one bfloat16 scale s per group of TM_KV_GROUP values (the
@@ -39,7 +42,7 @@ enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_I8 = 2 };
  * written to the cache. Built by layers/self_attention.py (RotaryAttention.plan) only for options this
  * code implements. */
 typedef struct {
-    tm_quant_weight qkv, o;
+    tm_weight qkv, o;
     const float *qkv_bias;      /* [(heads + 2 kv_heads) head_dim], or NULL */
     const float *norm;          /* the input RMSNorm's weight [hidden] */
     float norm_eps;
@@ -59,7 +62,7 @@ enum { TM_GATE_NONE = 0, TM_GATE_SILU = 1, TM_GATE_GELU_TANH = 2 };
 
 /* x + down_proj(act(gate) * up), [gate | up] = gate_up_proj(rmsnorm(x)) (layers/mlp.py GatedMLP.plan). */
 typedef struct {
-    tm_quant_weight gate_up, down;
+    tm_weight gate_up, down;
     const float *norm;          /* the pre-MLP RMSNorm's weight [hidden] */
     float norm_eps;
     int64_t activation;         /* TM_GATE_SILU or TM_GATE_GELU_TANH */
@@ -68,14 +71,14 @@ typedef struct {
 /* x + moe(rmsnorm(x)) for a sparse mixture-of-experts MLP whose experts are all quantized (moe.c
  * sparse_moe: the routing and the sum; layers/moe.py SparseMoE.plan). */
 typedef struct {
-    const tm_quant_weight *gate_up, *down;  /* [num_experts] each: an expert's [gate | up] and down */
+    const tm_weight *gate_up, *down;  /* [num_experts] each: an expert's [gate | up] and down */
     const float *router;        /* [num_experts, hidden] float32 */
     const float *norm;          /* the pre-MLP RMSNorm's weight [hidden], or NULL (x is normed already) */
     float norm_eps;
     int64_t num_experts, top_k;
     int64_t renormalize;        /* 1: the top_k weights are divided by their sum */
     int64_t activation;         /* TM_GATE_SILU or TM_GATE_GELU_TANH, every expert's */
-    const tm_quant_weight *shared_gate_up, *shared_down;  /* a shared expert every row passes through, or NULL */
+    const tm_weight *shared_gate_up, *shared_down;  /* a shared expert every row passes through, or NULL */
     const float *shared_gate;   /* its gate's weight [hidden]: its output is scaled by sigmoid(gate . h) */
 } tm_moe_plan;
 
@@ -104,7 +107,7 @@ typedef struct {
     int32_t rank, size;
 } tm_shm;
 
-/* sizeof of each plan struct, for the ctypes mirror's test: 0 tm_quant_weight, 1 tm_attention_plan,
+/* sizeof of each plan struct, for the ctypes mirror's test: 0 tm_weight, 1 tm_attention_plan,
  * 2 tm_mlp_plan, 3 tm_layer_plan, 4 tm_shm, 5 tm_moe_plan. */
 int64_t plan_struct_size(int which);
 
@@ -113,10 +116,9 @@ int64_t plan_struct_size(int which);
  * position; cos_local/sin_local the same for layers with rope_local, else NULL), slots [batch],
  * block_tables [batch, max_blocks], seq_lens [batch]. `shm`: this rank's tensor-parallel group (the
  * layers are its part: o and down row-parallel, their outputs all-reduced), or NULL. Returns 1 if
- * out of memory, 2 for a plan this code cannot run (an unknown activation or cache type, a local
- * layer without local tables, a mixture of experts under tensor parallelism or with a sandwich norm),
- * 3 if an all-reduce
- * failed (shm_exchange's -1 / -2). */
+ * out of memory, 2 for a plan this code cannot run (an unknown weight, activation or cache type, a
+ * local layer without local tables, a mixture of experts under tensor parallelism or with a sandwich
+ * norm), 3 if an all-reduce failed (shm_exchange's -1 / -2). */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                  const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const tm_shm *shm,
@@ -134,17 +136,22 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                  const float *residual, float *y, int generic, int num_threads);
 int quant_matmul_has_simd(void);
 
-/* quant_matmul for a plan's weight (decode_stack's layers, sparse_moe's experts). */
-static inline int plan_matmul(const tm_quant_weight *w, const float *x, int64_t rows, int gated, const float *norm_w,
+/* y [m, n] fp32 = f(x) W^T (+ residual) for a dense bfloat16 W [n, k] and a few fp32 rows x (dense_matmul.c);
+ * f and its arguments as quant_matmul's. generic: force the portable C loops. Returns 1 if out of memory. */
+int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated, const float *norm_w,
+                float eps, const float *residual, float *y, int generic, int num_threads);
+
+/* The matmul of a plan's weight (decode_stack's layers, sparse_moe's experts): quant_matmul, or bf16_matmul
+ * for a dense one. */
+static inline int plan_matmul(const tm_weight *w, const float *x, int64_t rows, int gated, const float *norm_w,
                               float eps, const float *residual, float *y, int num_threads) {
+    if (w->bits == 16)
+        return bf16_matmul(x, rows, w->in_features, (const uint16_t *)w->packed, w->out_features, gated, norm_w, eps,
+                           residual, y, 0, num_threads);
     return quant_matmul(x, rows, w->in_features, w->packed, w->scales, w->offsets, w->out_features, (int)w->bits,
                         gated, norm_w, eps, residual, y, 0, num_threads);
 }
 
-/* y [m, n] fp32 = x [m, k] fp32 @ W^T for a dense bfloat16 W [n, k] (dense_matmul.c), for a few rows;
- * generic: force the portable C loops. Returns 1 if out of memory. */
-int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y, int generic,
-                int num_threads);
 void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
                 const int64_t *ids, int64_t count, float *out);
 

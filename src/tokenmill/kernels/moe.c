@@ -74,7 +74,7 @@ static void route(const tm_moe_plan *plan, const float *h, int64_t hidden, float
 
 /* One task: an expert (or the shared expert) on its `count` rows listed in `rows` (NULL: rows 0..count-1
  * of h), into y [count, hidden]. */
-static int run_expert(const tm_quant_weight *gate_up, const tm_quant_weight *down, int activation, const float *h,
+static int run_expert(const tm_weight *gate_up, const tm_weight *down, int activation, const float *h,
                       const int64_t *rows, int64_t count, float *y, int num_threads) {
     const int64_t hidden = gate_up->in_features;
     float *gathered = NULL;

@@ -2,8 +2,8 @@
 
 A layer: x + attention(norm(x)), then x + mlp(norm(x)) (with `sandwich_norms`, Gemma's extra
 norms on both outputs: x + norm(attention(norm(x)))). A stack: embeddings (optionally scaled),
-the layers, a final norm. A decode step on CPU with quantized weights runs the whole stack in one
-C call (`kernels.decode_stack`) when every layer built a plan (`DecoderLayer.plan`): a block with
+the layers, a final norm. A decode step on CPU with quantized (or dense bfloat16) weights runs the
+whole stack in one C call (`kernels.decode_stack`) when every layer built a plan (`DecoderLayer.plan`): a block with
 an option the C code lacks returns None, and the stack then runs the layer loop, so such an option
 never passes through the C code unnoticed.
 """
@@ -103,7 +103,8 @@ class DecoderModel(nn.Module):
             shm = self.embed_tokens.tp.shm   # (tensor parallelism: the row-parallel all-reduces run in C too)
             try:
                 x = kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
-                                         meta.seq_lens_tensor, ropes.get("local"), None if shm is None else shm.plan)
+                                         meta.seq_lens_tensor, ropes.get("local"),
+                                         None if shm is None else shm.plan).to(x.dtype)
             except kernels.ShmError as e:
                 raise parallel.ParallelError(str(e)) from e
         else:
@@ -112,16 +113,21 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def stack_plan(self, x: torch.Tensor, meta: AttentionMetadata) -> kernels.StackPlan | None:
-        """The plan for kernels.decode_stack, where it applies: a decode-only float32 step on the
-        C attention kernels whose every layer built a plan. The stack saves the loop's
-        per-op dispatch."""
+        """The plan for kernels.decode_stack, where it applies: a decode-only step on the C attention
+        kernels whose every layer built a plan, with at most the plan's max_rows rows. The stack saves
+        the loop's per-op dispatch. It computes in float32: a bfloat16 model's decode step (dense bf16
+        weights) runs it with float32 activations, more exact than its layer loop, and rounds the
+        result to bfloat16 once at the end."""
         first = self.layers[0].self_attn.attn
-        if not (self.use_decode_stack and x.dtype == torch.float32 and first.fuses_rotary_decode(meta)):
+        if not (self.use_decode_stack and x.dtype in (torch.float32, torch.bfloat16)
+                and first.fuses_rotary_decode(meta)):
             return None
         if self._plan_cache is not first.kv_cache or self._plan_generation != backend_generation():
             self._plan, self._plan_cache = self._build_plan(), first.kv_cache
             self._plan_generation = backend_generation()
-        return self._plan or None
+        if not self._plan or (self._plan.max_rows is not None and x.shape[0] > self._plan.max_rows):
+            return None
+        return self._plan
 
     def _build_plan(self) -> kernels.StackPlan | bool:
         plans = [layer.plan() for layer in self.layers]

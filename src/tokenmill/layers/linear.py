@@ -58,8 +58,22 @@ class _Weighted(KernelOp):
         """The quantized weight the kernels run, for a C plan; None where this layer runs dense or its
         PyTorch reference (backend "torch"), or sums its output over tensor-parallel ranks that have
         no shared mapping to do it in C (ranks on several machines)."""
-        reducible = self.cols is None or self.tp.shm is not None
-        return self.qweight if self.backend == "auto" and reducible else None
+        return self.qweight if self._plannable() else None
+
+    def plan_weight(self) -> kernels.WeightPlan | None:
+        """This layer's weight as kernels.h's tm_weight for a C plan: the quantized one (kernel_weight),
+        or a dense bfloat16 CPU weight (run by bf16_matmul, as `dense` runs it for a decode step's
+        rows); None where neither applies (the caller keeps this layer alive)."""
+        if self.qweight is not None:
+            return self.qweight.plan() if self._plannable() else None
+        w = self.weight
+        if (self._plannable() and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+                and kernels.load() is not None):
+            return kernels.WeightPlan(w.data_ptr(), None, None, w.shape[0], w.shape[1], kernels.DENSE_BITS)
+        return None
+
+    def _plannable(self) -> bool:
+        return self.backend == "auto" and (self.cols is None or self.tp.shm is not None)
 
     def dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b) for a dense weight, in x's dtype: a bf16 CPU weight's few-row products (decode

@@ -33,12 +33,12 @@ class GatedMLP(nn.Module):
 
     def plan(self, norm: RMSNorm) -> tuple[kernels.MLPPlan, list[torch.Tensor]] | None:
         """This block as kernels.h's tm_mlp_plan with `norm` as its input norm (and the tensors it
-        points into), or None where the C stack does not implement it: dense projections, biases,
-        an activation the kernel does not fuse."""
-        gate_up, down = self.gate_up_proj.kernel_weight(), self.down_proj.kernel_weight()
+        points into), or None where the C stack does not implement it: a projection with no plan
+        weight (Linear.plan_weight), biases, an activation the kernel does not fuse."""
+        gate_up, down = self.gate_up_proj.plan_weight(), self.down_proj.plan_weight()
         if (gate_up is None or down is None or self.activation not in kernels.GATES
                 or self.gate_up_proj.bias is not None or self.down_proj.bias is not None):
             return None
         norm_weight = norm.weight.float().contiguous()
-        return kernels.MLPPlan(gate_up=gate_up.plan(), down=down.plan(), norm=norm_weight.data_ptr(),
+        return kernels.MLPPlan(gate_up=gate_up, down=down, norm=norm_weight.data_ptr(),
                                norm_eps=norm.eps, activation=kernels.gate_code(self.activation)), [norm_weight]

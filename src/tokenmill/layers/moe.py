@@ -115,8 +115,8 @@ class SparseMoE(KernelOp):
                 or any(lin.bias is not None for lin in linears) or (norm is not None and norm.backend != "auto")
                 or self.gate.weight.device.type != "cpu"):
             return None
-        arrays = [(kernels.QuantWeightPlan * len(weights))(*(w.plan() for w, _ in weights)),
-                  (kernels.QuantWeightPlan * len(weights))(*(w.plan() for _, w in weights))]
+        arrays = [(kernels.WeightPlan * len(weights))(*(w.plan() for w, _ in weights)),
+                  (kernels.WeightPlan * len(weights))(*(w.plan() for _, w in weights))]
         gate_up, down = (ctypes.addressof(a) for a in arrays)
         tensors = [self.gate.weight.float().contiguous()]
         if norm is not None:
@@ -124,7 +124,7 @@ class SparseMoE(KernelOp):
         shared = {}
         if self.shared_expert is not None:   # the shared expert is the arrays' last entry
             tensors.append(self.shared_expert_gate.weight.float().reshape(-1).contiguous())
-            size = ctypes.sizeof(kernels.QuantWeightPlan)
+            size = ctypes.sizeof(kernels.WeightPlan)
             shared = dict(shared_gate_up=gate_up + self.num_experts * size, shared_down=down + self.num_experts * size,
                           shared_gate=tensors[-1].data_ptr())
         plan = kernels.MoEPlan(gate_up=gate_up, down=down, router=tensors[0].data_ptr(),

@@ -156,9 +156,9 @@ class QuantWeight(nn.Module):
         """float32 x2 @ W^T."""
         return kernels.quant_matmul(x2, self.packed, self.scales, self.offsets, self.out_features, self.bits)
 
-    def plan(self) -> kernels.QuantWeightPlan:
-        """This weight as kernels.h's tm_quant_weight (the caller keeps self alive)."""
-        return kernels.QuantWeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+    def plan(self) -> kernels.WeightPlan:
+        """This weight as kernels.h's tm_weight (the caller keeps self alive)."""
+        return kernels.WeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                                        self.out_features, self.in_features, self.bits)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,

@@ -65,18 +65,18 @@ class RotaryAttention(nn.Module):
 
     def plan(self, norm: RMSNorm) -> tuple[kernels.AttentionPlan, list[torch.Tensor]] | None:
         """This block as kernels.h's tm_attention_plan with `norm` as its input norm (and the tensors
-        it points into), or None where the C stack does not implement it: dense projections, a bias
-        on o_proj, options the attention kernels lack."""
-        qkv, o, cache = self.qkv_proj.kernel_weight(), self.o_proj.kernel_weight(), self.attn.kv_cache
+        it points into), or None where the C stack does not implement it: a projection with no plan
+        weight (Linear.plan_weight), a bias on o_proj, options the attention kernels lack."""
+        qkv, o, cache = self.qkv_proj.plan_weight(), self.o_proj.plan_weight(), self.attn.kv_cache
         if (qkv is None or o is None or self.o_proj.bias is not None or not self.attn.uses_kernels()
                 or self.head_dim > kernels.MAX_ROTARY_HEAD_DIM or not self._qk_norms_fuse()):
             return None
         norm_weight = norm.weight.float().contiguous()
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias.float().contiguous()   # (a bf16 model's)
         qk_norm = self._qk_norm()
-        tensors = [norm_weight] + ([] if self.qkv_proj.bias is None else [self.qkv_proj.bias])
-        tensors += [] if qk_norm is None else list(qk_norm[:2])
+        tensors = [norm_weight] + ([] if bias is None else [bias]) + ([] if qk_norm is None else list(qk_norm[:2]))
         return kernels.AttentionPlan(
-            qkv=qkv.plan(), o=o.plan(), qkv_bias=kernels.pointer(self.qkv_proj.bias),
+            qkv=qkv, o=o, qkv_bias=kernels.pointer(bias),
             norm=norm_weight.data_ptr(), norm_eps=norm.eps, scale=self.attn.scale, k_cache=cache[0].data_ptr(),
             v_cache=cache[1].data_ptr(), kv_type=kernels.KV_TYPES[cache.dtype], heads=self.num_heads,
             kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache.shape[2],

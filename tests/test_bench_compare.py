@@ -178,9 +178,12 @@ def test_peers_command_status_exit_code(tmp_path, monkeypatch, capsys):
 
 
 # Stands in for llama-cpp-python: the next token is the last one + 1 (mod its vocabulary). It refuses
-# to run in a process that has loaded torch or tokenmill.
+# to run in a process that has loaded torch or tokenmill, and takes its model params from its C API
+# module's defaults as the real one does (its version says whether they repack weights).
 FAKE_LLAMA_CPP = """
 import ctypes, sys
+
+from llama_cpp import llama_cpp as c_api
 
 __version__ = "fake"
 N_VOCAB = 8
@@ -191,6 +194,8 @@ class Llama:
         loaded = [m for m in ("torch", "tokenmill") if m in sys.modules]
         if loaded:
             raise RuntimeError(f"the llama.cpp process has loaded {loaded}")
+        global __version__
+        __version__ = f"fake, extra buffers {c_api.llama_model_default_params().use_extra_bufts}"
         self.ctx = self
         self.logits = (ctypes.c_float * N_VOCAB)()
 
@@ -208,14 +213,26 @@ class Llama:
 def llama_get_logits_ith(ctx, i):
     return ctx.logits
 """
+FAKE_LLAMA_CPP_C_API = """
+class Params:
+    use_extra_bufts = True
 
 
-def test_llama_cpp_batch1_runs_in_a_process_without_torch(tiny_gguf_model, tmp_path, monkeypatch):
+def llama_model_default_params():
+    return Params()
+"""
+
+
+@pytest.mark.parametrize("repack", ["0", "1"])
+def test_llama_cpp_batch1_runs_in_a_process_without_torch(tiny_gguf_model, tmp_path, monkeypatch, capsys, repack):
     """compare's llama.cpp batch-1 row, through a fake llama_cpp module: it runs in an interpreter
     that loaded neither torch nor tokenmill (their memory would count as llama.cpp's) and lands in
-    the table next to tokenmill's row."""
+    the table next to tokenmill's row; with repacking off (peers.llama_repack), its model params say
+    so and the report tells."""
     (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
     (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (tmp_path / "fake" / "llama_cpp" / "llama_cpp.py").write_text(FAKE_LLAMA_CPP_C_API)
+    monkeypatch.setenv(peers.REPACK_ENV, repack)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: peers.PeerStatus(
         "llama.cpp (llama_cpp)", True, "fake", str(tmp_path / "fake"), "fake"))
@@ -224,12 +241,37 @@ def test_llama_cpp_batch1_runs_in_a_process_without_torch(tiny_gguf_model, tmp_p
                  "--peers", "llama.cpp", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     row = report["results"]["llama.cpp"]["batch1"]
-    assert row["version"] == "fake" and row["threads"] == 1 and row["peak_rss_mib"] > 0
+    assert row["version"] == f"fake, extra buffers {repack == '1'}" and row["repack"] == (repack == "1")
+    assert row["threads"] == 1 and row["peak_rss_mib"] > 0
+    assert ("weight repacking off" in capsys.readouterr().out) == (repack == "0")
     first = row["greedy_tokens"][0]   # the fake's greedy tokens, one eval after the other
     assert row["greedy_tokens"] == [(first + i) % 8 for i in range(8)]
     for key, table_row in _rows(report).items():
         assert isinstance(table_row["llama.cpp"], float) and table_row["llama.cpp"] > 0, key
         assert table_row["ratio"] == pytest.approx(table_row["tokenmill"] / table_row["llama.cpp"])
+
+
+def test_llama_peers_repack_weights_except_on_cpus_with_amx(monkeypatch, tmp_path):
+    """llama.cpp's repacked (AMX) weights crash on CPUs with AMX: the peers run without repacking
+    there, llama-server with --no-repack; TOKENMILL_LLAMA_REPACK decides instead when set."""
+    from tokenmill import kernels
+    from tokenmill.bench import serve
+
+    monkeypatch.delenv(peers.REPACK_ENV, raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile")
+    assert not peers.llama_repack()
+    commands = []
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda command, **kw: commands.append(command))
+    serve.start_llama_server("llama-server", "m.gguf", 2, 256, "-fa on", tmp_path / "log")
+    monkeypatch.setenv(peers.REPACK_ENV, "1")
+    assert peers.llama_repack()
+    serve.start_llama_server("llama-server", "m.gguf", 2, 256, "", tmp_path / "log")
+    assert "--no-repack" in commands[0] and commands[0][-2:] == ["-fa", "on"] and "--no-repack" not in commands[1]
+    monkeypatch.delenv(peers.REPACK_ENV)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: fpu avx512f avx512_vnni avx512_bf16")
+    assert peers.llama_repack()
+    monkeypatch.setenv(peers.REPACK_ENV, "0")
+    assert not peers.llama_repack()
 
 
 def test_the_llama_cpp_process_files_import_only_the_standard_library():

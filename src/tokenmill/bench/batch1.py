@@ -70,6 +70,22 @@ def measure_long(gen: Generate, work: dict[str, Any]) -> dict[str, Any]:
     return rows
 
 
+def turn_off_repacking() -> None:
+    """Every llama_cpp.Llama made after this loads its model without weight repacking (peers.llama_repack).
+    Llama() takes no argument for it: it starts from its C API's default model params, so those
+    defaults get use_extra_bufts off."""
+    import llama_cpp.llama_cpp as c_api
+
+    defaults = c_api.llama_model_default_params
+
+    def without_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    c_api.llama_model_default_params = without_repacking
+
+
 def _llama_cpp_generator(cfg: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     """llama.cpp's `gen` through llama-cpp-python (`eval` + greedy argmax on its logits, `logits_all`
     off) on cfg's model, threads and context, with flash attention and the K/V cache type where cfg
@@ -86,6 +102,8 @@ def _llama_cpp_generator(cfg: dict[str, Any]) -> tuple[Generate, dict[str, Any]]
     if "kv_type" in cfg:
         kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[cfg["kv_type"]]
         options.update(type_k=kv_type, type_v=kv_type)
+    if not cfg.get("repack", True):
+        turn_off_repacking()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(cfg["model"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
                           n_threads_batch=cfg["threads"], logits_all=False, n_gpu_layers=0, verbose=False, **options)
@@ -111,7 +129,7 @@ def _llama_cpp_generator(cfg: dict[str, Any]) -> tuple[Generate, dict[str, Any]]
 
     return gen, {"engine": "llama.cpp", "load_s": load_s, "version": llama_cpp.__version__,
                  "threads": cfg["threads"], "n_ctx": cfg["n_ctx"], "flash_attn": cfg.get("flash_attn", False),
-                 "kv_type": cfg.get("kv_type", "f16")}
+                 "kv_type": cfg.get("kv_type", "f16"), "repack": cfg.get("repack", True)}
 
 
 def llama_cpp(cfg: dict[str, Any]) -> dict[str, Any]:

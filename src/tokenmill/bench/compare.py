@@ -231,7 +231,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": sum(output_lens), "batch1_n_ctx": b1["n_ctx"], "server_slots": slots,
         "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(), "quant_types": args.quant_types,
         "long_contexts": args.long_contexts,
-        "llama_cpp_python_pin": peers.LLAMA_CPP_PYTHON_VERSION,
+        "llama_cpp_python_pin": peers.LLAMA_CPP_PYTHON_VERSION, "llama_repack": b1["repack"],
     }
     results: dict[str, dict[str, Any]] = {e: {"engine": e} for e in ENGINES}
     load_avgs: dict[str, float | None] = {}
@@ -513,6 +513,7 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
         print(f"concurrent rows: greedy, ignore_eos, streamed to `tokenmill serve` and to `llama-server -np C` (a "
               f"server per level); median of {cfg['concurrent_repeats']} runs, fresh prompts each (± spread: "
               f"(max - min) / median)")
+    peers.print_repack_note(cfg.get("llama_repack"))
     loads = [v for v in load_avgs.values() if v is not None]
     if loads:
         print(f"system load average before the runs: {min(loads):.2f}-{max(loads):.2f} (a shared machine: load above "

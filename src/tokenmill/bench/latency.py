@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import batch1
+from tokenmill.bench import batch1, peers
 from tokenmill.bench.procs import print_load, run_spawned
 from tokenmill.bench.workload import batch1_prompts, context_for, pad_token_id
 from tokenmill.config import engine_args
@@ -55,6 +55,7 @@ def batch1_config(args: argparse.Namespace, model: str, tokenizer: Any, seed: in
         # the KV capacity of llama.cpp's context (the default pool, up to 4 GiB, would count in the RSS)
         tokenmill_args["num_kv_blocks"] = n_ctx // args.block_size + 1
     return {"model": model, "threads": args.threads, "engine_args": tokenmill_args, "n_ctx": n_ctx,
+            "repack": peers.llama_repack(),
             "decode_tokens": args.decode_tokens, "pad_token_id": pad_token_id(tokenizer),
             **batch1_prompts(tokenizer, args.prefill_lens, DEFAULT_DECODE_PROMPT_LEN, args.repeats, seed)}
 

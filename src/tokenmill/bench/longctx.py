@@ -123,7 +123,7 @@ def measure(source: str, contexts: list[int], args: argparse.Namespace, decode_t
     work = {"long_prompts": {str(n): make_prompts(tokenizer, [n] * args.repeats, args.seed, tag=f"Long {n}")
                              for n in contexts},
             "warmup_prompts": make_prompts(tokenizer, [min(512, contexts[0])], args.seed, tag="Warm-up"),
-            "decode_tokens": decode_tokens, "threads": args.threads, "n_ctx": n_ctx}
+            "decode_tokens": decode_tokens, "threads": args.threads, "n_ctx": n_ctx, "repack": peers.llama_repack()}
     tm_args = {**engine_args(args), "threads": args.threads, "max_model_len": n_ctx,
                "max_num_seqs": max(args.max_num_seqs, 1)}
     if tm_args.get("num_kv_blocks") is None and tm_args.get("kv_cache_memory") is None:
@@ -168,7 +168,7 @@ def run_longctx_bench(args: argparse.Namespace) -> dict[str, Any]:
     load_avgs: dict[str, float | None] = {}
     ran, results = measure(source, contexts, args, args.decode_tokens, not args.no_peer, load_avgs, args.timeout)
     cfg = {"model": source, **ran, "threads": args.threads, "cpu_count": os.cpu_count(),
-           "wall_s": time.perf_counter() - started}
+           "llama_repack": peers.llama_repack(), "wall_s": time.perf_counter() - started}
     table = build_table(contexts, results)
     report = {"config": cfg, "load_average_before": load_avgs, "table": table, "results": results}
     print_table(report)
@@ -202,7 +202,9 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\nmodel: {cfg['model']}  threads: {cfg['threads']}  tokenmill K/V: {tm['kv_dtype']}  "
           f"llama.cpp: {peer.get('missing') or 'flash attention, ' + peer['kv_type'] + ' K/V'}")
     print(f"each rate the median of {cfg['repeats']} fresh prompts; decode: {cfg['decode_tokens']} tokens after the "
-          f"first; bound: weights + context K/V at {tm['read_gb_s']:.1f} GB/s read\n")
+          f"first; bound: weights + context K/V at {tm['read_gb_s']:.1f} GB/s read")
+    peers.print_repack_note(cfg.get("llama_repack"))
+    print()
     print(f"{'context':>8} | {'prefill tok/s':>13} {'llama.cpp':>10} {'ratio':>6} | {'decode tok/s':>12} "
           f"{'llama.cpp':>10} {'ratio':>6} | {'bound':>6} {'fraction':>8}")
     for row in table:

@@ -68,6 +68,30 @@ class PeerStatus:
     detail: str            # what was found, or why it is missing and how to install it
 
 
+REPACK_ENV = "TOKENMILL_LLAMA_REPACK"
+
+
+def llama_repack() -> bool:
+    """Do the llama.cpp peers repack weights (llama.cpp's default: its "extra buffer types", the AMX
+    tiles and the interleaved CPU layouts, its fastest CPU path)? Not on a CPU with AMX: there
+    llama.cpp's AMX matmul segfaults at the first evaluation (seen on this project's Sapphire Rapids
+    machine with Q4_1 and Q8_0, in llama-cpp-python and llama-server alike; llama.cpp issue 20824),
+    so the peer would give no number at all. $TOKENMILL_LLAMA_REPACK = 1 / 0 decides instead."""
+    from tokenmill.kernels import cpu_flags
+
+    chosen = os.environ.get(REPACK_ENV)
+    if chosen is not None:
+        return chosen.strip().lower() not in ("0", "false", "no", "off", "")
+    return "amx_int8" not in cpu_flags().split()
+
+
+def print_repack_note(repack: bool | None) -> None:
+    """The line a bench's report prints when its llama.cpp peers ran without repacking (llama_repack)."""
+    if repack is False:
+        print(f"llama.cpp: weight repacking off (--no-repack; its AMX path crashes on this CPU, llama.cpp issue 20824; "
+              f"{REPACK_ENV}=1 turns it on)")
+
+
 def peers_dir() -> Path:
     return cache_root() / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import peers
 from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
 from tokenmill.config import engine_argv
 from tokenmill.engine.workers import free_port
@@ -267,7 +268,8 @@ def start_llama_server(binary: str, model: str, slots: int, ctx_per_slot: int, e
                        log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-               "-c", str(slots * ctx_per_slot), "-cb", *shlex.split(extra)]
+               "-c", str(slots * ctx_per_slot), "-cb", *([] if peers.llama_repack() else ["--no-repack"]),
+               *shlex.split(extra)]
     log = open(log_path, "wb")   # noqa: SIM115 - the child writes to it until stopped
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
@@ -321,7 +323,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
            "input_len_range": list(input_range), "output_len_range": list(output_range),
            "input_tokens": sum(input_lens), "output_tokens": sum(output_lens),
            "concurrency": levels, "request_rate": args.request_rate, "tokenmill_flags": engine_argv(args),
-           "cpu_count": os.cpu_count()}
+           "cpu_count": os.cpu_count(), "llama_repack": peers.llama_repack()}
     ctx_per_slot = context_for(input_range[1] + output_range[1])
     rows: list[dict[str, Any]] = []
     for name, base_url, api_key in targets:
@@ -372,6 +374,8 @@ def _fmt(v: float | None, spec: str = "{:.0f}") -> str:
 
 def _print_report(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print(f"\nmodel: {cfg['model']}")
+    if any(r["target"] == "llama-server" for r in rows):
+        peers.print_repack_note(cfg.get("llama_repack"))
     print(f"workload: {cfg['num_requests']} requests, input {cfg['input_len_range'][0]}-{cfg['input_len_range'][1]} "
           f"tokens, output {cfg['output_len_range'][0]}-{cfg['output_len_range'][1]} tokens "
           f"({cfg['output_tokens']} in all), seed {cfg['seed']}, greedy, ignore_eos, streaming")

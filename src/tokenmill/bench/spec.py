@@ -312,7 +312,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
            "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
            "disable_by_batch_size": args.disable_by_batch_size, "prompt_lookup_min": args.prompt_lookup_min,
            "llama_spec": args.llama_spec, "modes": args.modes, "workloads": args.workloads,
-           "engine_args": base, "cpu_count": os.cpu_count(), "temperature": 0.0,
+           "engine_args": base, "cpu_count": os.cpu_count(), "llama_repack": peers.llama_repack(), "temperature": 0.0,
            "targets": {"ngram_grounded_batch1": TARGET_GROUNDED_B1, "ngram_free_batch1": TARGET_FREE_B1,
                        "batch32_not_slower": TARGET_B32}}
     report: dict[str, Any] = {"config": cfg, "tokenmill": {},
@@ -369,6 +369,7 @@ def print_report(report: dict[str, Any]) -> None:
           f"max_tokens {cfg['max_tokens']}, k = {cfg['num_speculative_tokens']}; each cell the median of "
           f"{cfg['repeats']} repeats (spread: (max - min) / median); speedup: over off (ngram) or off-dense (draft)")
     print("tok/s: output tokens / wall time (prefill included); decode: batch 1, after each first token")
+    peers.print_repack_note(cfg.get("llama_repack"))
     print(f"\n{'engine':<13}{'mode':<10}{'workload':<10}{'batch':>6}{'tok/s':>10}{'spread':>8}{'speedup':>9}"
           f"{'decode':>9}{'speedup':>9}{'accept':>8}{'acc/step':>9}")
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import batch1, peers
 from tokenmill.bench.procs import load_average, print_load, run_bare, timed_command
 from tokenmill.errors import TokenmillError
 
@@ -42,9 +43,15 @@ TARGET_START_S = 1.5
 TARGET_RSS_RATIO = 1.5
 
 LLAMA_CPP_SCRIPT = """
+import importlib.util
 import sys
 import llama_cpp
 model, prompt, max_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if sys.argv[5] == "0":   # peers.llama_repack: batch1.py (standard library only) turns it off
+    spec = importlib.util.spec_from_file_location("batch1", sys.argv[6])
+    batch1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(batch1)
+    batch1.turn_off_repacking()
 llm = llama_cpp.Llama(model_path=model, n_ctx=0, n_threads=threads, n_threads_batch=threads, verbose=False)
 sys.stdout.write(prompt)
 for chunk in llm(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
@@ -108,7 +115,8 @@ def run_startup_bench(args: argparse.Namespace) -> dict[str, Any]:
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if has_llama_cpp:
         cases.append(("llama.cpp", [sys.executable, "-c", LLAMA_CPP_SCRIPT, model, args.prompt,
-                                    str(args.max_tokens), str(args.threads)]))
+                                    str(args.max_tokens), str(args.threads), str(int(peers.llama_repack())),
+                                    batch1.__file__]))
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
     for rep in range(args.repeats):   # interleaved: a slow spell of the machine hits every case
         for label, command in cases:
@@ -121,6 +129,7 @@ def run_startup_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                            {"TOKENMILL_CACHE_DIR": empty})])
     report = {"config": {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens,
                          "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+                         "llama_repack": peers.llama_repack(),
                          "llama_cpp": "llama-cpp-python, n_ctx = the model's" if has_llama_cpp else None,
                          "targets": {"start_s": TARGET_START_S, "rss_ratio": TARGET_RSS_RATIO},
                          "wall_s": time.perf_counter() - started}, "rows": rows}
@@ -134,6 +143,8 @@ def print_report(report: dict[str, Any]) -> None:
     cfg, rows = report["config"], report["rows"]
     print(f"\nmodel: {cfg['model']}\none-shot generation of {cfg['max_tokens']} tokens, {cfg['threads']} threads; "
           f"each row the median of {cfg['repeats']} fresh processes (first ever: one)")
+    if cfg.get("llama_cpp"):
+        peers.print_repack_note(cfg.get("llama_repack"))
     print(f"\n{'':<28}{'to first token s':>17}{'spread':>8}{'to exit s':>11}{'peak RSS MiB':>14}")
     for label, r in rows.items():
         print(f"{label:<28}{r['first_output_s']:>17.2f}{r['start_spread']:>8.0%}{r['wall_s']:>11.2f}"

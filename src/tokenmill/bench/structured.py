@@ -425,7 +425,8 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
         "model": model, "threads": args.threads, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
         "max_tokens": args.max_tokens, "schemas": [c.name for c in cases], "num_requests": args.num_requests,
         "temperature": 0.0, "longest_prompt_tokens": longest, "ctx_per_slot": slot_ctx,
-        "engine_args": engine_kwargs, "cpu_count": os.cpu_count(), "peers": args.peers,
+        "engine_args": engine_kwargs, "cpu_count": os.cpu_count(), "llama_repack": peers.llama_repack(),
+        "peers": args.peers,
         "targets": {"ratio": TARGET_RATIO, "ratio_batch_size": TARGET_RATIO_BATCH,
                     "compile_p50_ms": TARGET_COMPILE_P50_MS},
         "llama_server_response_format": {"type": "json_schema", "json_schema": {"name": "<schema name>",
@@ -522,6 +523,7 @@ def print_report(report: dict[str, Any]) -> None:
           f"{len(cfg['schemas'])} schemas, greedy, max_tokens {cfg['max_tokens']}; the unconstrained run generates "
           "each request's constrained token count (ignore_eos)")
     print(f"each cell: the median of {cfg['repeats']} repeats (spread: (max - min) / median)")
+    peers.print_repack_note(cfg.get("llama_repack"))
     header = f"{'metric':<34}" + "".join(f"{'batch ' + b:>20}" for b in batches)
     print("\n" + header)
     for row in report["table"]:

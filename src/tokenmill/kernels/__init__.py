@@ -51,8 +51,10 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _cpu_flags() -> str:
-    """-march=native builds for this CPU: a cache shared with another CPU must not reuse it."""
+def cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo's flags line, else the processor's name): part of the
+    kernels' build key (-march=native builds for this CPU: a cache shared with another CPU must not
+    reuse it), and what the bench peers check for AMX."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -73,7 +75,7 @@ def _compile(compiler: str) -> Path:
     sources = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted([*units, *_DIR.glob("*.h")]))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+                                     cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target

@@ -106,6 +106,41 @@ def test_under_chunked_prefill_preemption_and_speculation(tiny_gguf_model):
     assert consumer.engine.pool.num_free == consumer.engine.pool.num_blocks
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "phi3"])
+def test_sliding_window_models_transfer_their_windows(tiny_gguf_model, kind):
+    """Gemma 2 (a sliding and a global layer: two KV cache groups) and Phi-3 (every layer slides, window
+    16): prefilled in chunks of 16, the producer's sliding layers hold only the blocks of their window
+    when the prompt is done; the transfer carries those (zeros before them) and every position of the
+    global layers, which is all the consumer reads. Outputs equal a colocated run."""
+    path = str(tiny_gguf_model(kind))
+    tight = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
+    producer = LLM(path, **tight, kv_transfer_config={**KV, "kv_role": "kv_producer"})
+    consumer = LLM(path, **tight, kv_transfer_config={**KV, "kv_role": "kv_consumer"})
+    colocated = LLM(path, **tight)
+    window = producer.engine.model_config.sliding_window
+    sliding = [i for i in range(producer.engine.model_config.num_layers)
+               if producer.engine.model_config.layer_slides(i)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for length in (5, 40, 100):
+        prompt = _ids(length, length)
+        first = producer.generate(prompt, SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={
+            "do_remote_decode": True}), use_tqdm=False)[0]
+        kv = torch.load(kv_transfer.KV_DIR / first.kv_transfer_params["remote_kv"], weights_only=True)["kv"]
+        # the last chunk (of 16) starts at p and saw keys from p - window + 1 on: the
+        # blocks before those were given back after the step before, and export as zeros
+        released = max(0, (length - 1) // 16 * 16 - window + 1) // 4 * 4
+        assert (kv[sliding, :, :released] == 0).all() and (released > 0) == (length > 16)
+        assert (kv[sliding, :, released:] != 0).any(dim=-1).all()
+        if len(sliding) < len(kv):   # the global layers: every position
+            assert (kv[[i for i in range(len(kv)) if i not in sliding]] != 0).any(dim=-1).all()
+        out = consumer.generate(prompt, dataclasses.replace(params, kv_transfer_params=first.kv_transfer_params),
+                                use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == colocated.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert consumer.engine.num_kv_loaded_tokens == 4 + 39 + 99
+    for llm in (producer, consumer, colocated):
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
 def test_consumer_cache_holds_the_producers_kv(engines):
     producer, consumer, _ = engines
     prompt = _ids(37, 99)

@@ -180,23 +180,38 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
     torch.testing.assert_close(prefill_logits(make_engine(folder), ids), ref, atol=1e-4, rtol=0)
 
 
-def test_an_all_sliding_model_gives_back_blocks_behind_the_window(tiny_hf_model):
-    """Phi-3's layers all slide (window 16 here): a long request holds only the blocks its window
-    reaches (at most window / block_size + 2 of them), the tokens do not change, and the blocks it
-    gave back stay in the prefix cache for a later prompt."""
-    path = tiny_hf_model("phi3")
+def _held(request) -> list[int]:
+    """Blocks the request holds in each KV cache group."""
+    return [len(t.block_ids) - t.num_released for t in request.tables]
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "gemma3"])
+def test_sliding_layers_give_back_blocks_behind_the_window(kind, tiny_hf_model):
+    """Phi-3's layers all slide (window 16 here): one KV cache group. Gemma 2 and 3 mix sliding
+    layers (window 8) with global ones: a group of each kind, the global layers' holding every block.
+    A long request holds, in a sliding group, only the blocks its window reaches (at most window /
+    block_size + 2 of them), the tokens do not change (against an engine whose every group keeps its
+    blocks), and the blocks it gave back stay in the prefix cache for a later prompt."""
+    path = tiny_hf_model(kind)
     engine = make_engine(path, block_size=4)
-    assert engine.kv.sliding_window == 16
+    layout = engine.layout
+    assert layout.windows == ((16,) if kind == "phi3" else (None, 8) if kind == "gemma2" else (None,) + (8,) * 5)
+    # one tensor per slot: Gemma 3's six layers (five sliding) in groups of one share one cache tensor
+    assert len({c.data_ptr() for c in engine.kv_caches}) == layout.num_slots == (1 if kind != "phi3" else 2)
     reference = make_engine(path, block_size=4)
-    reference.kv.sliding_window = None  # holds every block
+    reference.kv.windows = (None,) * len(layout.windows)   # holds every block
     prompt = _prompts(engine.model_config.vocab_size)[2]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     request = engine.add_request(prompt, params)
     held = []
     while engine.has_unfinished():
         engine.step()
-        held.append(len(request.block_ids) - request.num_released_blocks)
-    assert max(held[1:]) <= 16 // 4 + 2 < len(request.all_token_ids) // 4
+        if request.tables:   # (none once it has finished)
+            held.append(_held(request))
+    total = len(request.all_token_ids) // 4
+    for group, w in enumerate(layout.windows):
+        most = max(h[group] for h in held[1:])
+        assert most <= w // 4 + 2 < total if w else most == total
     assert request.output_token_ids == greedy(reference, [prompt], 40)[0]
     assert engine.num_free_blocks == engine.pool.num_blocks
     # the same prompt again: its leading blocks, given back long ago, are still cached
@@ -204,10 +219,6 @@ def test_an_all_sliding_model_gives_back_blocks_behind_the_window(tiny_hf_model)
     while engine.has_unfinished():
         engine.step()
     assert again.num_cached_tokens >= 32 and again.output_token_ids == request.output_token_ids[:4]
-
-
-def test_gemma_keeps_every_block_for_its_global_layers(tiny_hf_model):
-    assert make_engine(tiny_hf_model("gemma2")).kv.sliding_window is None
 
 
 def test_config_details_read_as_transformers_reads_them():

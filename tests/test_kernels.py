@@ -437,7 +437,7 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cac
     prompts = [[1, 5, 9, 2], list(range(3, 40)), [7] * 19]
     results = {}
     for use_stack in (True, False):
-        llm = LLM(path, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        llm = LLM(path, num_kv_blocks=256, block_size=4, kv_cache_dtype=kv_cache_dtype)
         model = llm.engine.model.model
         if kind in ("qwen3", "gemma3"):
             assert all(layer.self_attn.q_norm is not None for layer in model.layers)
@@ -598,13 +598,17 @@ def decode_step_both_ways(path: str) -> tuple[torch.Tensor, torch.Tensor, list]:
 
 
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q4_1"])
-@pytest.mark.parametrize(("kind", "local"), [("gemma2", [0, 0]), ("gemma3", [1, 1, 1, 1, 1, 0])])
-def test_gemma_stacks_take_the_c_path(tiny_gguf_model, ftype, kind, local):
+@pytest.mark.parametrize(("kind", "local", "groups"), [("gemma2", [0, 0], [1, 0]),
+                                                      ("gemma3", [1, 1, 1, 1, 1, 0], [1, 2, 3, 4, 5, 0])])
+def test_gemma_stacks_take_the_c_path(tiny_gguf_model, ftype, kind, local, groups):
     """Gemma 2 (GeGLU, sandwich norms, a sliding and a global layer, attention softcap) and Gemma 3 (q/k
-    norms too, five local-rope sliding layers then a global one) plan every layer, and a decode step
-    through the C stack equals the layer loop's bit for bit (both run norm.h's RMSNorm)."""
+    norms too, five local-rope sliding layers then a global one) plan every layer, each reading its KV
+    cache group's block tables (the global layer's group 0, each sliding layer's its own: groups of
+    one layer), and a decode step through the C stack equals the layer loop's bit for bit (both run
+    norm.h's RMSNorm)."""
     stack, loop, plans = decode_step_both_ways(str(tiny_gguf_model(kind, ftype)))
     assert [p.rope_local for p in plans] == local
+    assert [p.attn.kv_group for p in plans] == groups
     assert all(p.attn_out_norm and p.mlp_out_norm and p.mlp.activation == 2 for p in plans)
     assert plans[0].attn.sliding_window == 8 and plans[-1].attn.sliding_window == 0
     assert all(bool(p.attn.q_norm) == (kind == "gemma3") for p in plans)
@@ -797,6 +801,44 @@ def test_portable_build_without_avx512(monkeypatch):
     assert torch.equal(portable[2], native[2])
 
 
+def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
+    """The kernels compiled for x86-64-v3 (AVX2, FMA and F16C, no AVX-512: most x86 CPUs without it),
+    where the quantized matmul takes its AVX2 path: exactly the sums of this machine's build and of the
+    portable loops, for 4- and 8-bit weights (u up to 255, where a plain u8 x s8 pair sum saturates),
+    1 to 9 rows (runs of 4, 2, 1), a partial last tile, the fused gating and norm, a residual."""
+    from tokenmill.layers.quant import QuantWeight, quantize
+
+    if not all(f in kernels.cpu_flags().split() for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    g = torch.Generator().manual_seed(4)
+    cases = []
+    for bits in (4, 8):
+        for m, n, k in [(1, 17, 576), (3, 40, 96), (9, 33, 128), (6, 16, 64)]:
+            weight = QuantWeight(quantize(torch.randn(n, k, generator=g) * 3, bits), torch.float32)
+            x, residual = torch.randn(m, 2 * k, generator=g) * 5, torch.randn(m, n, generator=g)
+            norm = (torch.rand(k, generator=g) + 0.5, 1e-5)
+            cases.append((weight, n, bits, x, residual, norm))
+
+    def run(generic: bool = False) -> list[torch.Tensor]:
+        out = []
+        for weight, n, bits, x, residual, norm in cases:
+            args = (weight.packed, weight.scales, weight.offsets, n, bits)
+            out.append(kernels.quant_matmul(x[:, :x.shape[1] // 2], *args, generic=generic))
+            out.append(kernels.quant_matmul(x, *args, gated="silu", norm=norm, residual=residual, generic=generic))
+        return out
+
+    native, portable = run(), run(generic=True)
+    monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in kernels._FLAGS])
+    _clear_kernel_caches()
+    try:
+        assert kernels.load().quant_matmul_has_simd() == 0   # (the VNNI path is not there)
+        avx2 = run()
+    finally:
+        _clear_kernel_caches()
+    for a, b, c in zip(avx2, native, portable, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 @pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 17, 576), (3, 5, 1536), (4, 64, 64), (8, 7, 96),
                                            (2, 3, 80)])   # k = 80: not a multiple of 32, portable loops
@@ -861,8 +903,11 @@ def test_decode_stack_runs_a_bf16_model_in_float32(tiny_gguf_model, kind):
     weights through bf16_matmul with float32 activations: from the same cache and input, the stack's
     hidden states == the layer loop of that model made float32 (weights = the bf16 values, the same
     bf16 K/V cache) up to float32 summation order, and far closer to it than the model's own bf16
-    layer loop (so the stack computes every op, in float32)."""
-    llm = LLM(str(tiny_gguf_model(kind, "F16")), dtype="bfloat16", num_kv_blocks=64, block_size=4)
+    layer loop (so the stack computes every op, in float32). The K/V cache is float32: a bfloat16 cache
+    rounds the step's new K/V, and a difference of summation order at a rounding tie becomes a bf16
+    step there (seen on a portable, non-AVX-512 build)."""
+    llm = LLM(str(tiny_gguf_model(kind, "F16")), dtype="bfloat16", num_kv_blocks=512, block_size=4,
+              kv_cache_dtype="float32")
     assert weight_forms(llm.engine.model) == {"dense": weight_forms(llm.engine.model)["dense"]}
     snapshot, ids, positions, meta = _first_decode_step(llm, [[1, 5, 9, 2], list(range(3, 30)), [7] * 13])
 
@@ -878,7 +923,7 @@ def test_decode_stack_runs_a_bf16_model_in_float32(tiny_gguf_model, kind):
         if stack:
             plan = model.stack_plan(x, meta)
             assert plan is not None and plan.max_rows == kernels.DENSE_MATMUL_MAX_ROWS
-            return kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
+            return kernels.decode_stack(plan, x, ropes["global"], meta.group_tables,
                                         meta.seq_lens_tensor, ropes.get("local"))
         if float32:
             model.float()

@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, hash_block, kv_bytes_per_token
+from tokenmill.engine.kv_cache import (
+    BlockPool,
+    KVCacheManager,
+    KVLayout,
+    allocate_kv_caches,
+    hash_block,
+    kv_bytes_per_token,
+    kv_layout,
+)
 from tokenmill.engine.request import Request
 from tokenmill.sampling import SamplingParams
 
@@ -43,12 +51,12 @@ def check_pool(pool: BlockPool) -> None:
         "a shared block must be a cached (full, immutable) block"
 
 
-def computed(manager: KVCacheManager, request: Request, num_new: int, cached: list[int] = ()) -> None:
+def computed(manager: KVCacheManager, request: Request, num_new: int, num_cached_blocks: int = 0) -> None:
     """Allocate and 'compute' num_new tokens of the request, as one engine step would."""
-    assert manager.allocate_slots(request, num_new, cached)
-    request.num_computed_tokens += len(cached) * BS + num_new
-    request.num_cached_blocks = max(request.num_cached_blocks, len(cached))
+    assert manager.allocate_slots(request, num_new, num_cached_blocks)
+    request.num_computed_tokens += num_cached_blocks * BS + num_new
     manager.cache_full_blocks(request)
+    manager.release_behind_window(request)
 
 
 # ---- BlockPool ------------------------------------------------------------------------------------
@@ -189,13 +197,16 @@ def test_equal_blocks_after_different_prefixes_do_not_match():
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     owner = make_request(a + b + [0], "owner")
     computed(manager, owner, 9)
-    assert owner.num_cached_blocks == 2
+    assert owner.tables[0].num_cached == 2
     # Same second block, different first block: nothing matches.
-    assert manager.find_cached_prefix(make_request(c + b + [0])) == []
+    assert manager.find_cached_prefix(make_request(c + b + [0])) == 0
     # Same first block, different second block: only the first matches.
-    assert manager.find_cached_prefix(make_request(a + c + [0])) == owner.block_ids[:1]
-    # The whole prefix: both blocks.
-    assert manager.find_cached_prefix(make_request(a + b + [7, 7])) == owner.block_ids[:2]
+    assert manager.find_cached_prefix(make_request(a + c + [0])) == 1
+    # The whole prefix: both blocks, which it then shares.
+    request = make_request(a + b + [7, 7])
+    assert manager.find_cached_prefix(request) == 2
+    computed(manager, request, 2, 2)
+    assert request.block_ids[:2] == owner.block_ids[:2] and request.block_ids[2] not in owner.block_ids
 
 
 # ---- KVCacheManager -------------------------------------------------------------------------------
@@ -223,7 +234,7 @@ def test_allocate_slots_returns_false_and_changes_nothing_when_short():
     computed(manager, other, 9)                    # blocks 0, 1, 2; 0 and 1 cached
     request = make_request(list(range(8)) + [50] * 9)
     cached = manager.find_cached_prefix(request)
-    assert cached == [0, 1]
+    assert cached == 2
     manager.free(other)                            # cached blocks 0, 1 are free now: reviving them costs 2
     before, table = pool_state(pool), list(request.block_ids)
     # 2 revived + 3 new (17 tokens = 5 blocks) > 4 free.
@@ -248,11 +259,11 @@ def test_cached_prefix_leaves_at_least_one_token_to_compute():
     manager = KVCacheManager(BlockPool(8), BS, enable_prefix_caching=True)
     owner = make_request(list(range(8)), "owner")
     computed(manager, owner, 8)
-    assert owner.num_cached_blocks == 2
+    assert owner.tables[0].num_cached == 2
     # The same 8 tokens: the last position must produce logits, so only one block is reused.
     again = make_request(list(range(8)))
-    assert manager.find_cached_prefix(again) == owner.block_ids[:1]
-    assert manager.find_cached_prefix(make_request(list(range(9)))) == owner.block_ids
+    assert manager.find_cached_prefix(again) == 1
+    assert manager.find_cached_prefix(make_request(list(range(9)))) == 2
 
 
 def test_shared_prefix_blocks_are_reference_counted_and_freed():
@@ -267,7 +278,7 @@ def test_shared_prefix_blocks_are_reference_counted_and_freed():
     assert second.block_ids == [0, 1, 3]
     assert pool.ref_count[:4] == [2, 2, 1, 1]
     manager.free(first)
-    assert pool.ref_count[:4] == [1, 1, 0, 1] and first.block_ids == [] and first.num_cached_blocks == 0
+    assert pool.ref_count[:4] == [1, 1, 0, 1] and first.block_ids == [] and first.tables == []
     manager.free(second)
     assert pool.num_free == pool.num_blocks
     # The partial tails (nothing reusable) first, second's (freed last) before first's; then the
@@ -283,10 +294,10 @@ def test_cache_full_blocks_registers_only_computed_full_blocks():
     assert manager.allocate_slots(request, 11)
     request.num_computed_tokens = 6                  # a chunk: block 0 full, block 1 half written
     manager.cache_full_blocks(request)
-    assert pool.block_hash == {0: request.block_hashes[0]} and request.num_cached_blocks == 1
+    assert pool.block_hash == {0: request.block_hashes[0]} and request.tables[0].num_cached == 1
     request.num_computed_tokens = 11
     manager.cache_full_blocks(request)
-    assert set(pool.block_hash) == {0, 1} and request.num_cached_blocks == 2
+    assert set(pool.block_hash) == {0, 1} and request.tables[0].num_cached == 2
     assert request.block_hashes[1] == hash_block(request.block_hashes[0], [4, 5, 6, 7])
     # Output tokens extend the hashes: after 12 computed tokens the third block is full.
     request.append_token(99)
@@ -302,8 +313,8 @@ def test_prefix_caching_disabled_never_matches_or_caches():
     manager = KVCacheManager(pool, BS, enable_prefix_caching=False)
     owner = make_request(list(range(9)), "owner")
     computed(manager, owner, 9)
-    assert pool.cached == {} and owner.num_cached_blocks == 0
-    assert manager.find_cached_prefix(make_request(list(range(9)))) == []
+    assert pool.cached == {} and owner.tables[0].num_cached == 0
+    assert manager.find_cached_prefix(make_request(list(range(9)))) == 0
     assert manager.prefix_hit_rate == 0.0
 
 
@@ -383,3 +394,73 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+# ---- KV cache groups: models that mix full and sliding-window layers -------------------------------
+
+
+def _config(layer_types: tuple[str, ...] | None, window: int | None = 8) -> ModelConfig:
+    return ModelConfig(architecture="gemma3", vocab_size=10, hidden_size=64, num_layers=len(layer_types or "xxxx"),
+                       num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=8, max_position_embeddings=64,
+                       norm_eps=1e-6, sliding_window=window, layer_types=layer_types)
+
+
+def test_layers_form_groups_of_equal_size_sharing_cache_tensors():
+    """One group when the layers attend alike; else groups of g = min(full, sliding) layers of one kind,
+    full ones first, the j-th layer of every group in cache tensor j (Gemma 3 1B's pattern: 4 global
+    layers of 26, so one full group and six sliding ones of four, the last of two)."""
+    assert kv_layout(_config(None, None)) == KVLayout((None,), (0,) * 4, (0, 1, 2, 3))
+    assert kv_layout(_config(None, 8)) == KVLayout((8,), (0,) * 4, (0, 1, 2, 3))
+    assert kv_layout(_config(("sliding", "full"))) == KVLayout((None, 8), (1, 0), (0, 0))
+    types = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26))
+    layout = kv_layout(_config(types))
+    assert layout.windows == (None,) + (8,) * 6 and layout.num_slots == 4
+    full = [i for i, t in enumerate(types) if t == "full"]
+    assert [layout.layer_group[i] for i in full] == [0] * 4 and [layout.layer_slot[i] for i in full] == [0, 1, 2, 3]
+    sliding = [i for i, t in enumerate(types) if t == "sliding"]
+    assert [layout.layer_group[i] for i in sliding] == [1 + j // 4 for j in range(22)]
+    assert [layout.layer_slot[i] for i in sliding] == [j % 4 for j in range(22)]
+    caches = allocate_kv_caches(_config(types), 4, BS, torch.float32, torch.device("cpu"))
+    assert len(caches) == 26 and len({c.data_ptr() for c in caches}) == 4
+    assert all(caches[i] is caches[full[layout.layer_slot[i]]] for i in sliding)
+    # a request of n tokens holds ceil(n / BS) blocks in a full group, its window's and a step's in a sliding one
+    assert layout.max_blocks_held(100, BS, 16) == 25 + 6 * (-(-(8 - 1 + 16) // BS) + 1)
+    assert layout.max_blocks_held(5, BS, 16) == 7 * 2
+
+
+def test_a_sliding_group_holds_and_needs_only_its_window():
+    """Groups (full, sliding with window 8) from one pool, blocks of 4: a long request gives back its
+    sliding group's blocks behind the window (they read block 0, registered in the prefix cache first);
+    a later prompt with the same prefix hits as far as the full group has every block and the sliding
+    group the blocks its window reaches: not where the window's blocks were evicted, even though the
+    full group still has them, and there the hit is only as long as the sliding group allows."""
+    pool = BlockPool(24)
+    manager = KVCacheManager(pool, BS, enable_prefix_caching=True, windows=(None, 8))
+    owner = make_request(list(range(30)), "owner")
+    computed(manager, owner, 30)
+    full, sliding = owner.tables
+    assert len(full.block_ids) == len(sliding.block_ids) == 8 and full.num_released == 0
+    # the next query (position 30) sees keys 23..30: blocks 5..7 are held, 0..4 given back
+    assert sliding.num_released == 5 and sliding.block_ids[:5] == [0] * 5
+    assert not set(full.block_ids) & set(sliding.block_ids[5:])
+    assert pool.num_free == 24 - 8 - 3
+    manager.free(owner)
+    assert pool.num_free == 24
+    # the whole prefix hits: 7 full blocks (28 tokens), the sliding group's 5 and 6 cover positions 21..28
+    again = make_request(list(range(30)) + [99], "again")
+    assert manager.find_cached_prefix(again) == 7
+    assert manager.allocate_slots(again, 3, 7)
+    assert again.tables[1].num_released == 5 and again.tables[1].block_ids[5:7] == sliding.block_ids[5:7]
+    assert again.tables[0].block_ids[:7] == full.block_ids[:7]
+    manager.free(again)
+    # evict the sliding group's block 6 (its key in group 1): a hit of 7 blocks is impossible; one of 6 needs
+    # the sliding group's blocks 4..5, and block 4 was given back cached: 6 it is
+    sliding_key = bytes([1]) + owner.block_hashes[6]
+    block = pool.lookup(sliding_key)
+    del pool.cached[sliding_key], pool.block_hash[block]
+    assert manager.find_cached_prefix(make_request(list(range(30)) + [99], "third")) == 6
+    for i in (3, 4):   # without the sliding group's blocks 3 and 4, 6, 5 and 4 blocks cannot hit; 3 (1..2) can
+        key = bytes([1]) + owner.block_hashes[i]
+        del pool.block_hash[pool.cached.pop(key)]
+    assert manager.find_cached_prefix(make_request(list(range(30)) + [99], "fourth")) == 3
+    check_pool(pool)

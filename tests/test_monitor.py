@@ -103,7 +103,7 @@ def test_step_records_and_snapshots_equal_the_schedulers_own_state(llm):
         assert (snap.block_refs == np.array(engine.pool.ref_count)).all()
         owner = snap.block_owner
         for i, request in enumerate(engine.scheduler.running + engine.scheduler.waiting):
-            held = set(request.block_ids[request.num_released_blocks:])
+            held = {b for table in request.tables for b in table.block_ids[table.num_released:]}
             assert views[request.request_id].num_blocks == len(held)
             assert set(np.flatnonzero(owner == i)) <= held
             # a block it holds but is not shown holding is shared with an earlier request

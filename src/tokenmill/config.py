@@ -568,7 +568,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = setting(
         None, "memory for the KV cache: bytes or a size such as 4GiB, 512MiB, 2G (default: a quarter of the free "
         "memory, at most 4 GiB)")
-    num_kv_blocks: int | None = setting(None, "explicit KV pool size in blocks (overrides --kv-cache-memory)")
+    num_kv_blocks: int | None = setting(
+        None, "explicit KV pool size in blocks (overrides --kv-cache-memory): a block is block_size tokens of every "
+        "layer, or of one group of layers in a model that mixes sliding-window and global ones")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = setting(True, "prefill prompts longer than the step's token budget in chunks")
     attention_backend: str = setting("auto", "auto: the C attention kernels on CPU where they build; torch: the "

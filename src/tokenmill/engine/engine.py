@@ -6,6 +6,7 @@ tokenmill/engine/input.py and tokenmill/engine/output.py.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -26,8 +27,9 @@ from tokenmill.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from tokenmill.engine.block_table import BlockTable
 from tokenmill.engine.grammar import COMPLETE, GrammarCompiler
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token
+from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, allocate_kv_caches, kv_bytes_per_token, kv_layout
 from tokenmill.engine.kv_transfer import KVExporter, LoadedKV, check_loaded, read_kv, write_kv
 from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
@@ -129,33 +131,33 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, quantized)
         # Every rank holds the same blocks, of its own KV heads: the budget is for all of them.
         kv_heads = parallel.kv_heads_per_rank(mc.num_heads, mc.num_kv_heads, tp.size)
+        layout = kv_layout(mc)
         per_token = kv_bytes_per_token(mc, self.kv_dtype) * sum(kv_heads) // mc.num_kv_heads
-        block_bytes = per_token * config.block_size
+        # a block: its block_size slots in each cache tensor (one per layer of a group)
+        block_bytes = per_token * layout.num_slots // mc.num_layers * config.block_size
+        context = config.max_model_len or mc.max_position_embeddings
+        step = config.max_num_batched_tokens
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:  # the memory budget, but no more than max_num_seqs full-length requests need
-            context = config.max_model_len or mc.max_position_embeddings
-            useful = config.max_num_seqs * -(-context // config.block_size)
+            useful = config.max_num_seqs * layout.max_blocks_held(context, config.block_size, step)
             budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
             num_blocks = max(1, min(budget // block_bytes, useful))
-        capacity = num_blocks * config.block_size
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise TokenmillError(f"max_model_len ({config.max_model_len}) exceeds the model's context length "
                                  f"({mc.max_position_embeddings})")
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
+        # the longest request the pool holds alone (the blocks it holds grow with its length)
+        self.max_model_len = bisect.bisect_right(range(1, context + 1), False, key=lambda n: layout.max_blocks_held(
+            n, config.block_size, step) > num_blocks)
         self.pool = BlockPool(num_blocks)
-        slides = mc.sliding_window is not None and all(mc.layer_slides(i) for i in range(mc.num_layers))
-        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
-                                 mc.sliding_window if slides else None)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, layout.windows)
+        self.layout = layout
         self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.kv_dtype, self.device, kv_heads[0])
         if self.workers is not None:
             self.workers.ready(KVPlan(num_blocks, config.block_size, self.kv_dtype))
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, mc.vocab_size, self.device,
-                                  config.attention_backend, self.workers)
+                                  config.attention_backend, self.workers, layout.layer_group)
         self.kv_role = config.kv_transfer_config.kv_role if config.kv_transfer_config is not None else None
-        if self.kv_role is not None and self.kv.sliding_window is not None:
-            raise TokenmillError("kv_transfer_config: this model's layers all slide, so a prompt's early blocks are "
-                                 "given back as it is prefilled; K/V transfer is not supported for it")
         self.kv_exporter = KVExporter() if self.kv_role == "kv_producer" else None
         self.num_kv_exports = 0
         self.num_kv_loaded_tokens = 0
@@ -175,11 +177,15 @@ class LLMEngine:
         self.finished_log: deque[tuple[str, str]] = deque(maxlen=FINISHED_LOG_SIZE)
         self.num_finished = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("memory plan%s: weights %.1f MiB (%s%s); KV cache (%s) %d B/token x %d blocks of %d tokens = %d "
-                    "tokens (%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
+        windows = [w for w in layout.windows if w is not None]
+        logger.info("memory plan%s: weights %.1f MiB (%s%s); KV cache (%s) %d B/token%s, %d blocks of %d tokens "
+                    "(%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
                     f" ({tp.size} tensor-parallel ranks)" if tp.size > 1 else "", weight_bytes / 2**20, self.dtype,
-                    ", rank 0's part" if tp.size > 1 else "", self.kv_dtype, per_token, num_blocks, config.block_size,
-                    capacity, num_blocks * block_bytes / 2**20, self.max_model_len, capacity / self.max_model_len)
+                    ", rank 0's part" if tp.size > 1 else "", self.kv_dtype, per_token,
+                    f" ({len(layout.windows)} groups of layers, {len(windows)} sliding: window {windows[0]})"
+                    if windows else "", num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
+                    self.max_model_len,
+                    num_blocks / layout.max_blocks_held(self.max_model_len, config.block_size, step))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected or the
@@ -217,10 +223,10 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise SamplingParamsError("min_tokens", f"must be <= the {max_tokens} tokens that prompt ({n} tokens) "
                                       f"leaves within max_model_len ({self.max_model_len}), got {params.min_tokens}")
-        if self.kv.blocks_for(n + max_tokens) > self.pool.num_blocks:
-            raise TokenmillError(f"prompt: {n} tokens + max_tokens {max_tokens} need "
-                                 f"{self.kv.blocks_for(n + max_tokens)} KV blocks but the pool has only "
-                                 f"{self.pool.num_blocks}; lower max_tokens or raise kv_cache_memory")
+        need = self.layout.max_blocks_held(n + max_tokens, self.config.block_size, self.config.max_num_batched_tokens)
+        if need > self.pool.num_blocks:
+            raise TokenmillError(f"prompt: {n} tokens + max_tokens {max_tokens} need {need} KV blocks but the pool "
+                                 f"has only {self.pool.num_blocks}; lower max_tokens or raise kv_cache_memory")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise TokenmillError(f"request_id {request_id!r} is already in use")
@@ -278,7 +284,7 @@ class LLMEngine:
             self._end_speculation({})
             return []
         for request, loaded, first, last in schedule.loads:
-            write_kv(self.kv_caches, request.block_ids, self.config.block_size, loaded, first, last)
+            write_kv(self.kv_caches, self.layer_tables(request), self.config.block_size, loaded, first, last)
             self.num_kv_loaded_tokens += last - first
         rows = scheduled_rows(scheduled)
         generator_states = [(r.generator, r.generator.get_state()) for r, n in scheduled
@@ -314,7 +320,7 @@ class LLMEngine:
                     self.kv.truncate(request)
                 if request.kv_export and request.num_computed_tokens >= len(request.prompt_token_ids):
                     request.kv_export = False
-                    request.kv_exported = self.kv_exporter.export(self.kv_caches, request.block_ids,
+                    request.kv_exported = self.kv_exporter.export(self.kv_caches, self.layer_tables(request),
                                                                   self.config.block_size, request.prompt_token_ids)
                     self.num_kv_exports += request.kv_exported is not None
                 # (accepted proposals are computed before they are appended below)
@@ -334,6 +340,10 @@ class LLMEngine:
                                      self.scheduler.max_num_batched_tokens, rows, len(schedule.preempted),
                                      len(self.scheduler.running), len(self.scheduler.waiting))
         return failed + [request for request, _ in results]
+
+    def layer_tables(self, request: Request) -> list[BlockTable]:
+        """Each layer's block table of `request` (its KV cache group's)."""
+        return [request.tables[group] for group in self.layout.layer_group]
 
     def _end_speculation(self, new_tokens: dict[str, list]) -> None:
         """After a step: counts and acceptance of the requests that speculated; each one's

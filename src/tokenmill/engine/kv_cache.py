@@ -1,10 +1,18 @@
 """The KV block pool and the per-request cache manager.
 
-K/V of every layer live in one preallocated tensor per layer, cut into fixed-size blocks of
-`block_size` token slots. A request owns a block table (a list of block ids, append-only while it
-runs). With prefix caching, every FULL block is identified by a chained hash of its tokens
-(hash(parent block's hash, this block's token ids)), so two requests with the same prefix map
-the same blocks, shared through reference counts.
+K/V live in preallocated tensors, one per layer, cut into fixed-size blocks of `block_size` token
+slots. A request owns a block table (a list of block ids, append-only while it runs). With prefix
+caching, every FULL block is identified by a chained hash of its tokens (hash(parent block's hash,
+this block's token ids)), so two requests with the same prefix map the same blocks, shared
+through reference counts.
+
+Layers whose attention reads the same positions share block tables: a KV cache group (KVLayout).
+A model's layers are one group unless it mixes full-attention layers with sliding-window ones
+(Gemma 2/3, Qwen2 with max_window_layers): then each kind has groups of its own, so that a sliding
+layer holds only the blocks its window reaches while a full layer holds them all. One pool serves
+every group (vLLM's hybrid KV cache manager): groups have equal numbers of layers, g, the j-th layer
+of every group uses the same cache tensor, and a block belongs to one group at a time, so a block is
+the same bytes (its slots in g tensors) whichever group takes it, and no memory is set aside per kind.
 """
 
 from __future__ import annotations
@@ -14,32 +22,78 @@ import math
 import mmap
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.engine.block_table import BlockTable
 from tokenmill.engine.request import Request
 from tokenmill.layers.attention import kv_row_width
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x a row's bytes (head_dim elements, plus an int8 row's scale)."""
+    """2 (K and V) x layers x kv_heads x a row's bytes (head_dim elements, plus an int8 row's scale):
+    what one token's K/V take in every layer."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * kv_row_width(cfg.head_dim, dtype) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV cache groups of a model's layers (see the module's docstring)."""
+
+    windows: tuple[int | None, ...]   # per group: its layers' sliding window (None: full attention)
+    layer_group: tuple[int, ...]      # per layer: its group
+    layer_slot: tuple[int, ...]       # per layer: its cache tensor (shared with that slot of the other groups)
+
+    @property
+    def num_slots(self) -> int:
+        """Cache tensors: layers per group (the number of layers when there is one group)."""
+        return max(self.layer_slot) + 1
+
+    def max_blocks_held(self, num_tokens: int, block_size: int, step_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once, over every group, when a
+        step computes at most `step_tokens` of its tokens (in a sliding group: its window's and a step's)."""
+        full = -(-num_tokens // block_size)
+        return sum(full if w is None else min(full, -(-(w - 1 + step_tokens) // block_size) + 1) for w in self.windows)
+
+
+def kv_layout(cfg: ModelConfig) -> KVLayout:
+    """One group of every layer when they all attend alike; else groups of g = min(full, sliding)
+    layers of one kind each, the full layers' first (the last group of a kind may be smaller)."""
+    kinds = [cfg.layer_slides(i) for i in range(cfg.num_layers)]
+    if len(set(kinds)) == 1:
+        return KVLayout((cfg.sliding_window,), (0,) * cfg.num_layers, tuple(range(cfg.num_layers)))
+    full = [i for i, slides in enumerate(kinds) if not slides]
+    sliding = [i for i, slides in enumerate(kinds) if slides]
+    size = min(len(full), len(sliding))
+    windows: list[int | None] = []
+    group, slot = [0] * cfg.num_layers, [0] * cfg.num_layers
+    for layers, window in ((full, None), (sliding, cfg.sliding_window)):
+        for j, layer in enumerate(layers):
+            if j % size == 0:
+                windows.append(window)
+            group[layer], slot[layer] = len(windows) - 1, j % size
+    return KVLayout(tuple(windows), tuple(group), tuple(slot))
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, num_kv_heads: int | None = None) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, kv_heads, row] tensor per layer (layers/attention.py: a
-    row is head_dim elements, or an int8 row with its scale). On the CPU each is
-    an anonymous memory mapping: the OS hands its pages out zeroed when first written, so the pool
-    costs resident memory only for the blocks requests have used (a one-shot generation touches a
-    few blocks of a pool sized for a server). Zeroed matters: the reference attention reads the
-    unwritten tail of a request's last block (masked, but 0 x NaN would still be NaN).
-    `num_kv_heads`: a tensor-parallel rank's (default: the model's)."""
+    """Each layer's zeroed [2, num_blocks, block_size, kv_heads, row] tensor (layers/attention.py: a
+    row is head_dim elements, or an int8 row with its scale); layers of different KV cache groups in
+    the same slot (kv_layout) get the same tensor. On the CPU each is an anonymous memory mapping:
+    the OS hands its pages out zeroed when first written, so the pool costs resident memory only for
+    the blocks requests have used (a one-shot generation touches a few blocks of a pool sized for a
+    server). Zeroed matters: the reference attention reads the unwritten tail of a request's last
+    block (masked, but 0 x NaN would still be NaN). `num_kv_heads`: a tensor-parallel rank's
+    (default: the model's)."""
     shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, kv_row_width(cfg.head_dim, dtype))
+    layout = kv_layout(cfg)
     if device.type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-    return [lazy_zeros(shape, dtype) for _ in range(cfg.num_layers)]
+        slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+    else:
+        slots = [lazy_zeros(shape, dtype) for _ in range(layout.num_slots)]
+    return [slots[s] for s in layout.layer_slot]
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -132,19 +186,28 @@ class BlockPool:
             self.block_hash[block] = block_hash
 
 
-class KVCacheManager:
-    """Allocates slots for requests on demand and matches their prefixes against the cache.
+def first_in_window(position: int, window: int, block_size: int) -> int:
+    """The first block a query at `position` reads through a sliding window (it sees keys after
+    position - window)."""
+    return max(0, position - window + 1) // block_size
 
-    `sliding_window` (set when every layer of the model slides): a request's leading blocks that no
-    future query can see are given back as it advances, so a long request holds about window /
-    block_size blocks; given back once registered in the prefix cache, they stay there for reuse
-    until evicted. Their table entries then point at block 0, which attention never reads: it reads
-    only the blocks its window reaches (layers/attention.py)."""
+
+class KVCacheManager:
+    """Allocates slots for requests on demand and matches their prefixes against the cache, for
+    every KV cache group of the model (`windows`: each group's sliding window or None; one group of
+    full attention by default). A request has one BlockTable per group (Request.tables).
+
+    A sliding group gives back a request's leading blocks that no future query can see as it
+    advances, so a long request holds about window / block_size blocks there; given back once
+    registered in the prefix cache, they stay there for reuse until evicted. Their table entries
+    then point at block 0, which attention never reads: it reads only the blocks its window reaches
+    (layers/attention.py). A prefix-cache hit needs, in a sliding group, only the blocks the window
+    of the first uncached position reaches."""
 
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int | None = None):
+                 windows: tuple[int | None, ...] = (None,)):
         self.pool = pool
-        self.sliding_window = sliding_window
+        self.windows = windows
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0   # tokens of admitted requests (counted by the scheduler at admission)
@@ -152,6 +215,17 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _tables(self, request: Request) -> list[BlockTable]:
+        """The request's tables, one per group (created empty the first time)."""
+        while len(request.tables) < len(self.windows):
+            request.tables.append(BlockTable())
+        return request.tables
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        """A block's prefix-cache key in `group`: groups hold different layers, so a block's hash is
+        its own group's (group 0's keys are the plain hashes)."""
+        return block_hash if group == 0 else bytes([group]) + block_hash
 
     def _full_block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
@@ -162,33 +236,55 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start:start + self.block_size]))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of the request's tokens. At least one token is
-        always left to compute, since the last prompt position must produce logits."""
+    def find_cached_prefix(self, request: Request) -> int:
+        """How many leading blocks of the request the cache holds in every group (a sliding group:
+        those its window reaches from the first position after them). At least one token is always
+        left to compute, since the last prompt position must produce logits."""
         if not self.enable_prefix_caching:
-            return []
-        blocks = []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        for block_hash in self._full_block_hashes(request)[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+            return 0
+        hashes = self._full_block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        hit = len(hashes)
+        while True:   # (a sliding group's test is not monotone in the hit: repeated until every group agrees)
+            agreed = hit
+            for group, window in enumerate(self.windows):
+                present = [self.pool.lookup(self._key(group, h)) is not None for h in hashes[:agreed]]
+                if window is None:
+                    agreed = present.index(False) if False in present else agreed
+                while agreed > 0 and window is not None and not all(
+                        present[first_in_window(agreed * self.block_size, window, self.block_size):agreed]):
+                    agreed -= 1
+            if agreed == hit:
+                return hit
+            hit = agreed
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Grow the request's block table to hold num_computed + cached + num_new tokens.
-        Returns False (changing nothing) when the pool has too few free blocks."""
-        cached_blocks = list(cached_blocks)
-        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        have = len(request.block_ids) + len(cached_blocks)
-        need = max(0, self.blocks_for(total) - have)
-        revived = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
-        if need + revived > self.pool.num_free:
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_blocks: int = 0,
+                       num_loaded_tokens: int = 0) -> bool:
+        """Grow the request's block tables to hold its computed tokens, then `num_cached_blocks`
+        blocks found by find_cached_prefix (at admission), `num_loaded_tokens` whose K/V is written
+        in (kv_transfer) and `num_new_tokens` to compute. A sliding group skips the blocks before the
+        window of the first token to compute. Returns False (changing nothing) when the pool has too
+        few free blocks."""
+        tables = self._tables(request)
+        hashes = self._full_block_hashes(request)
+        start = request.num_computed_tokens + num_cached_blocks * self.block_size + num_loaded_tokens
+        total_blocks = self.blocks_for(start + num_new_tokens)
+        plans = []   # per group: (placeholders, cached blocks to share, blocks to allocate)
+        for group, (table, window) in enumerate(zip(tables, self.windows, strict=True)):
+            skip = 0 if window is None or table.block_ids else first_in_window(start, window, self.block_size)
+            cached = [self.pool.lookup(self._key(group, h)) for h in hashes[skip:num_cached_blocks]]
+            have = max(len(table.block_ids), skip) + len(cached)
+            plans.append((skip, cached, max(0, total_blocks - have)))
+        revived = sum(1 for _, cached, _ in plans for b in set(cached) if self.pool.ref_count[b] == 0)
+        if sum(need for _, _, need in plans) + revived > self.pool.num_free:
             return False
-        self.pool.share(cached_blocks)
-        request.block_ids.extend(cached_blocks)
-        request.block_ids.extend(self.pool.allocate(need))
+        for table, (skip, cached, need) in zip(tables, plans, strict=True):
+            if skip > len(table.block_ids):   # a new table: entries before the window hold nothing
+                table.block_ids.extend([0] * (skip - len(table.block_ids)))
+                table.num_released = skip
+            self.pool.share(cached)
+            table.block_ids.extend(cached)
+            table.block_ids.extend(self.pool.allocate(need))
+            table.num_cached = max(table.num_cached, num_cached_blocks, table.num_released)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -197,38 +293,40 @@ class KVCacheManager:
             return
         hashes = self._full_block_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(hashes))
-        for i in range(request.num_cached_blocks, num_full):
-            self.pool.cache(request.block_ids[i], hashes[i])
-        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+        for group, table in enumerate(self._tables(request)):
+            for i in range(table.num_cached, num_full):
+                self.pool.cache(table.block_ids[i], self._key(group, hashes[i]))
+            table.num_cached = max(table.num_cached, num_full)
 
     def release_behind_window(self, request: Request) -> None:
-        """After a step: give back the blocks wholly before the window of the request's next query
-        (at position p = num_computed_tokens, it reads keys after p - window)."""
-        if self.sliding_window is None:
-            return
-        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        if self.enable_prefix_caching:  # registered first, so that a later prompt can reuse them
-            first_needed = min(first_needed, request.num_cached_blocks)
-        start = request.num_released_blocks
-        if first_needed > start:
-            self.pool.free(request.block_ids[start:first_needed])
-            request.block_ids[start:first_needed] = [0] * (first_needed - start)
-            request.num_released_blocks = first_needed
+        """After a step: in each sliding group, give back the blocks wholly before the window of the
+        request's next query (at position num_computed_tokens)."""
+        for table, window in zip(self._tables(request), self.windows, strict=True):
+            if window is None:
+                continue
+            first_needed = first_in_window(request.num_computed_tokens, window, self.block_size)
+            if self.enable_prefix_caching:  # registered first, so that a later prompt can reuse them
+                first_needed = min(first_needed, table.num_cached)
+            start = table.num_released
+            if first_needed > start:
+                self.pool.free(table.block_ids[start:first_needed])
+                table.block_ids[start:first_needed] = [0] * (first_needed - start)
+                table.num_released = first_needed
 
     def truncate(self, request: Request) -> None:
         """After a step that rolled back rejected proposals: give back the blocks past the request's
         computed tokens (they hold only rejected K/V; none is registered in the prefix cache, which
         registers computed full blocks only)."""
-        keep = max(self.blocks_for(request.num_computed_tokens), request.num_released_blocks)
-        if len(request.block_ids) > keep:
-            self.pool.free(request.block_ids[keep:])
-            del request.block_ids[keep:]
+        for table in request.tables:
+            keep = max(self.blocks_for(request.num_computed_tokens), table.num_released)
+            if len(table.block_ids) > keep:
+                self.pool.free(table.block_ids[keep:])
+                del table.block_ids[keep:]
 
     def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids[request.num_released_blocks:])
-        request.block_ids = []
-        request.num_cached_blocks = 0
-        request.num_released_blocks = 0
+        for table in request.tables:
+            self.pool.free(table.block_ids[table.num_released:])
+        request.tables = []
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.cache import SHARED_MEMORY_DIR
+from tokenmill.engine.block_table import BlockTable
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
@@ -86,15 +87,18 @@ class KVExporter:
             except OSError:
                 pass
 
-    def export(self, caches: list[torch.Tensor], block_ids: list[int], block_size: int,
+    def export(self, caches: list[torch.Tensor], tables: list[BlockTable], block_size: int,
                token_ids: list[int]) -> str | None:
-        """The name the K/V of `token_ids` is written under; None if it could not be written (the
-        consumer then computes the prompt: a full /dev/shm fails one transfer, not the engine)."""
+        """The name the K/V of `token_ids` is written under (each layer's from its block table,
+        `tables`; zeros where a sliding layer gave its blocks back); None if it could not be written
+        (the consumer then computes the prompt: a full /dev/shm fails one transfer, not the engine)."""
         now = time.monotonic()
         while self.exported and self.exported[0][0] < now - EXPORT_TTL_S:
             self.exported.popleft()[1].unlink(missing_ok=True)
-        index = slots(block_ids, block_size, 0, len(token_ids))
-        kv = torch.stack([flat(cache)[:, index] for cache in caches])
+        kv = torch.stack([flat(cache)[:, slots(table.block_ids, block_size, 0, len(token_ids))]
+                          for cache, table in zip(caches, tables, strict=True)])
+        for layer, table in enumerate(tables):
+            kv[layer, :, :table.num_released * block_size] = 0
         name = f"tokenmill-kv-{uuid.uuid4().hex}"
         path = KV_DIR / name
         try:
@@ -145,9 +149,10 @@ def check_loaded(loaded: LoadedKV, prompt_token_ids: list[int], caches: list[tor
     return None
 
 
-def write_kv(caches: list[torch.Tensor], block_ids: list[int], block_size: int, loaded: LoadedKV, start: int,
+def write_kv(caches: list[torch.Tensor], tables: list[BlockTable], block_size: int, loaded: LoadedKV, start: int,
              end: int) -> None:
-    """Positions [start, end) of `loaded` into the request's blocks."""
-    index = slots(block_ids, block_size, start, end)
-    for layer, cache in enumerate(caches):
-        flat(cache)[:, index] = loaded.kv[layer, :, start:end]
+    """Positions [start, end) of `loaded` into each layer's blocks (`tables`: its block table), those
+    before a sliding layer's window left out (it holds no blocks there)."""
+    for layer, (cache, table) in enumerate(zip(caches, tables, strict=True)):
+        first = max(start, table.num_released * block_size)
+        flat(cache)[:, slots(table.block_ids, block_size, first, end)] = loaded.kv[layer, :, first:end]

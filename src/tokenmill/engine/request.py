@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.block_table import BlockTable
 from tokenmill.engine.grammar import GrammarMatcher
 from tokenmill.engine.kv_transfer import LoadedKV
 from tokenmill.errors import TokenmillError
@@ -53,10 +54,8 @@ class Request:
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     num_forced_pending: int = 0           # output tokens a grammar forced whose K/V is not computed yet
-    block_ids: list[int] = field(default_factory=list)        # the block table
+    tables: list[BlockTable] = field(default_factory=list)    # one per KV cache group, once allocated
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
-    num_cached_blocks: int = 0            # leading block-table entries registered in the prefix cache
-    num_released_blocks: int = 0          # leading entries given back: behind every layer's sliding window
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -83,6 +82,11 @@ class Request:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV cache group's block table (every layer's, in a model with one group)."""
+        return self.tables[0].block_ids if self.tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -32,8 +32,9 @@ class SampledToken:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  vocab_size: int, device: torch.device, attention_backend: str = "auto",
-                 workers: TPWorkers | None = None):
-        """`workers`: the tensor-parallel ranks that run each step with this one (engine/workers.py)."""
+                 workers: TPWorkers | None = None, layer_groups: tuple[int, ...] | None = None):
+        """`workers`: the tensor-parallel ranks that run each step with this one (engine/workers.py).
+        `layer_groups`: each layer's KV cache group (engine/kv_cache.py KVLayout; default: one group)."""
         self.model = model
         self.workers = workers
         self.kv_caches = kv_caches
@@ -41,20 +42,20 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
-        bind_kv_caches(model, kv_caches, attention_backend)
+        bind_kv_caches(model, kv_caches, attention_backend, layer_groups)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                       list[int], list[Request]]:
         """The packed batch. A request verifying k proposed tokens (`spec_token_ids`, scheduled with
         its one uncomputed token: n = k + 1) enters attention as k + 1 single-query entries over its
-        one block table, at consecutive positions: every row writes its K/V before any row attends
+        block tables, at consecutive positions: every row writes its K/V before any row attends
         (layers/attention.py), so entry j sees the keys of the rows before it, and the step stays a
         decode step (the C decode stack) with each row computed exactly as a plain decode would."""
         ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        owners: list[Request] = []   # each attention entry's request
         logits_rows: list[int] = []
         sampled: list[Request] = []
         for request, n in scheduled:
@@ -66,23 +67,25 @@ class ModelRunner:
             for rows, seq_len in entries:   # (query rows, context length once written)
                 query_start_loc.append(query_start_loc[-1] + rows)
                 seq_lens.append(seq_len)
-                tables.append(request.block_ids)
+                owners.append(request)
             if start + n == request.num_tokens + len(spec):
                 logits_rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
                 sampled.append(request)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
-        row_entry = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(query_start_loc).diff())
-        slot_mapping = block_tables[row_entry, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
-            block_size=self.block_size,
-        )
+        row_entry = torch.repeat_interleave(torch.arange(len(owners)), torch.tensor(query_start_loc).diff())
+        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)
+        groups = []   # the metadata of each KV cache group: the same rows over the group's own block tables
+        for group in range(len(owners[0].tables)):
+            tables = [r.tables[group].block_ids for r in owners]
+            max_blocks = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+            slot_mapping = block_tables[row_entry, pos // self.block_size] * self.block_size + pos % self.block_size
+            groups.append(AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                            block_tables=block_tables.to(self.device),
+                                            slot_mapping=slot_mapping.to(self.device),
+                                            seq_lens_tensor=seq_lens_tensor, block_size=self.block_size))
+        meta = groups[0]
+        meta.other_groups = tuple(groups[1:])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, pos.to(self.device), meta, logits_rows, sampled
 

@@ -96,8 +96,8 @@ class Scheduler:
                budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
+            num_cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached = num_cached_blocks * self.kv.block_size
             # Received K/V beyond the cached prefix counts as computed too (the last token never: it
             # gives the logits of the first sampled token).
             num_known = num_cached
@@ -109,7 +109,7 @@ class Scheduler:
             if n > budget and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(request, num_known - num_cached + n, cached):
+            if not self.kv.allocate_slots(request, n, num_cached_blocks, num_known - num_cached):
                 break
             self.waiting.pop(0)
             # Counted here, not per lookup: a request retried for many steps counts once.
@@ -119,7 +119,6 @@ class Scheduler:
                 loads.append((request, request.kv_load, num_cached, num_known))
             request.kv_load = None   # (used once: a preempted request recomputes)
             request.num_computed_tokens = num_known
-            request.num_cached_blocks = len(cached)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

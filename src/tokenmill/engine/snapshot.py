@@ -90,12 +90,17 @@ class EngineSnapshot:
     max_num_batched_tokens: int
 
 
+def held_blocks(request: Request) -> list[int]:
+    """The blocks `request` holds, in every KV cache group (not those given back behind a window)."""
+    return [b for table in request.tables for b in table.block_ids[table.num_released:]]
+
+
 def request_view(request: Request) -> RequestView:
     if request.status is RequestStatus.RUNNING:
         status = "running"
     else:
         status = "preempted" if request.num_preemptions else "waiting"
-    held = request.block_ids[request.num_released_blocks:]
+    held = held_blocks(request)
     return RequestView(request.request_id, status, request.priority, request.arrival_time,
                        len(request.prompt_token_ids), len(request.output_token_ids), request.num_computed_tokens,
                        request.max_tokens, len(held), request.num_cached_tokens, request.num_preemptions)
@@ -110,7 +115,7 @@ def take_snapshot(step: int, running: list[Request], waiting: list[Request], ref
     owner = np.full(len(ref_count), FREE, dtype=np.int32)
     owner[np.asarray(cached_free_blocks, dtype=np.int64)] = CACHED_FREE
     for i in range(len(requests) - 1, -1, -1):   # backwards, so that the first holder of a shared block wins
-        held = requests[i].block_ids[requests[i].num_released_blocks:]
+        held = held_blocks(requests[i])
         if held:
             owner[np.asarray(held, dtype=np.int64)] = i
     refs = np.asarray(ref_count, dtype=np.int32)

@@ -150,6 +150,8 @@ class DraftModelProposer:
         # (at least the last token is computed again: its logits give the first proposal)
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, request.num_tokens - 1)
         self.kv.truncate(shadow)
+        # (no later sync rolls the shadow back past this point: the target keeps what it has now)
+        self.kv.release_behind_window(shadow)
         shadow.output_token_ids = list(request.output_token_ids)
         shadow.all_token_ids = list(request.all_token_ids)
         return shadow

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill import parallel
 from tokenmill.checkpoint import open_checkpoint
-from tokenmill.engine.kv_cache import allocate_kv_caches
+from tokenmill.engine.kv_cache import allocate_kv_caches, kv_layout
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.workers import WORKER_TIMEOUT_S, Rendezvous, WorkerSpec, on_stdin_closed, receive_batch
 from tokenmill.models.loader import load_model
@@ -53,7 +53,7 @@ def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
             caches = allocate_kv_caches(model_config, plan.num_blocks, plan.block_size, plan.dtype, device,
                                         kv_heads[tp.rank])
             runner = ModelRunner(model, caches, plan.block_size, model_config.vocab_size, device,
-                                 config.attention_backend)
+                                 config.attention_backend, layer_groups=kv_layout(model_config).layer_group)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
     parallel.gather_objects(error, tp)

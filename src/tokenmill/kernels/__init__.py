@@ -130,7 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bf16_matmul.restype = i32
     lib.sparse_moe.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
     lib.sparse_moe.restype = i32
-    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32]
+    lib.decode_stack.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.decode_stack.restype = i32
     lib.plan_struct_size.argtypes = [i32]
     lib.plan_struct_size.restype = i64
@@ -356,7 +356,8 @@ class AttentionPlan(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_type", ctypes.c_int64),
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("sliding_window", ctypes.c_int64), ("logit_softcap", ctypes.c_float),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_norm_eps", ctypes.c_float)]
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_norm_eps", ctypes.c_float),
+                ("kv_group", ctypes.c_int64)]
 
 
 class MLPPlan(ctypes.Structure):
@@ -401,7 +402,13 @@ class ShmPlan(ctypes.Structure):
                 ("stats", ctypes.c_void_p), ("rank", ctypes.c_int32), ("size", ctypes.c_int32)]
 
 
-PLAN_STRUCTS = (WeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan, MoEPlan)  # plan_struct_size's numbering
+class KVGroupTables(ctypes.Structure):
+    """kernels.h's tm_kv_group: one KV cache group's slots [B] and block tables [B, max_blocks]."""
+    _fields_ = [("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64)]
+
+
+PLAN_STRUCTS = (WeightPlan, AttentionPlan, MLPPlan, LayerPlan, ShmPlan, MoEPlan,
+                KVGroupTables)  # plan_struct_size's numbering
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -421,27 +428,30 @@ class StackPlan:
         self.max_rows = DENSE_MATMUL_MAX_ROWS if any(w.bits == DENSE_BITS for w in weights) else None
 
 
-def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def decode_stack(plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 groups: list[tuple[torch.Tensor, torch.Tensor]], seq_lens: torch.Tensor,
                  rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
                  shm: ShmPlan | None = None) -> torch.Tensor:
     """A decode step through every layer of `plan`: x [B, hidden] fp32 (a new tensor is returned),
     rope = (cos, sin) [B, head_dim] (full-width rotary tables at each row's position), rope_local the
-    same for the layers planned with rope_local (None if there are none), slots [B]. `shm`: the
-    tensor-parallel group the layers' row-parallel outputs are all-reduced in (a status 3 is
-    returned as ShmError)."""
+    same for the layers planned with rope_local (None if there are none), `groups`: (slots [B],
+    block tables [B, max_blocks]) int64 of each KV cache group. `shm`: the tensor-parallel group the
+    layers' row-parallel outputs are all-reduced in (a status 3 is returned as ShmError)."""
     x = x.float().contiguous().clone()
     tables = [t.reshape(x.shape[0], -1).float().contiguous() for t in (*rope, *(rope_local or ()))]
     cos, sin, cos_local, sin_local = (*tables, None, None)[:4]
+    kv = [(slots.contiguous(), block_tables.contiguous()) for slots, block_tables in groups]
+    kv_groups = (KVGroupTables * len(kv))(*[KVGroupTables(s.data_ptr(), t.data_ptr(), t.shape[1]) for s, t in kv])
     status = load().decode_stack(plan.layers, len(plan.layers), x.data_ptr(), x.shape[0], cos.data_ptr(),
-                                 sin.data_ptr(), pointer(cos_local), pointer(sin_local), slots.data_ptr(),
-                                 block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                                 None if shm is None else ctypes.addressof(shm), torch.get_num_threads())
+                                 sin.data_ptr(), pointer(cos_local), pointer(sin_local), kv_groups, len(kv),
+                                 seq_lens.data_ptr(), None if shm is None else ctypes.addressof(shm),
+                                 torch.get_num_threads())
     if status == 3:
         raise ShmError("decode stack: a tensor-parallel all-reduce failed (a rank died or stopped answering)")
     if status == 2:
         raise ValueError("decode stack: a layer plan has an unknown weight, activation or cache type, needs local "
-                         "rotary tables, or has a mixture of experts under tensor parallelism or with a sandwich norm")
+                         "rotary tables, reads a KV cache group it was not given, or has a mixture of experts under "
+                         "tensor parallelism or with a sandwich norm")
     if status:
         raise MemoryError("decode stack: out of memory")
     return x

@@ -13,6 +13,7 @@ int64_t plan_struct_size(int which) {
         case 3: return (int64_t)sizeof(tm_layer_plan);
         case 4: return (int64_t)sizeof(tm_shm);
         case 5: return (int64_t)sizeof(tm_moe_plan);
+        case 6: return (int64_t)sizeof(tm_kv_group);
         default: return -1;
     }
 }
@@ -48,10 +49,11 @@ static int valid_weight(const tm_weight *w) {
     return w->bits == 4 || w->bits == 8 || w->bits == 16;
 }
 
-static int valid_plan(const tm_layer_plan *layer, const float *cos_local, const tm_shm *shm) {
+static int valid_plan(const tm_layer_plan *layer, const float *cos_local, int64_t num_groups, const tm_shm *shm) {
     const int64_t act = layer->moe != NULL ? layer->moe->activation : layer->mlp.activation;
     const int64_t kv = layer->attn.kv_type;
     return (act == TM_GATE_SILU || act == TM_GATE_GELU_TANH) && (!layer->rope_local || cos_local != NULL)
+           && layer->attn.kv_group >= 0 && layer->attn.kv_group < num_groups
            && valid_weight(&layer->attn.qkv) && valid_weight(&layer->attn.o)
            && (layer->moe != NULL || (valid_weight(&layer->mlp.gate_up) && valid_weight(&layer->mlp.down)))
            && (kv == TM_KV_F32 || kv == TM_KV_BF16 || kv == TM_KV_I8)
@@ -66,13 +68,12 @@ static int valid_plan(const tm_layer_plan *layer, const float *cos_local, const 
  * same bits (out_norm: the sandwich norm where a layer has one). Layers may differ in shape: the
  * scratch buffers are sized for the widest. */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
-                 const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
-                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const tm_shm *shm,
-                 int num_threads) {
+                 const float *sin, const float *cos_local, const float *sin_local, const tm_kv_group *groups,
+                 int64_t num_groups, const int64_t *seq_lens, const tm_shm *shm, int num_threads) {
     int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_attention_plan *a = &layers[l].attn;
-        if (!valid_plan(&layers[l], cos_local, shm)) return 2;
+        if (!valid_plan(&layers[l], cos_local, num_groups, shm)) return 2;
         qkv_max = a->qkv.out_features > qkv_max ? a->qkv.out_features : qkv_max;
         attn_max = a->heads * a->head_dim > attn_max ? a->heads * a->head_dim : attn_max;
         gate_up_max = layers[l].mlp.gate_up.out_features > gate_up_max ? layers[l].mlp.gate_up.out_features
@@ -88,6 +89,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
         const tm_layer_plan *layer = &layers[l];
         const tm_attention_plan *a = &layer->attn;
         const tm_mlp_plan *m = &layer->mlp;
+        const tm_kv_group *g = &groups[a->kv_group];
         const int64_t qkv_n = a->qkv.out_features;
         failed = plan_matmul(&a->qkv, x, batch, TM_GATE_NONE, a->norm, a->norm_eps, NULL, qkv, num_threads);
         if (!failed && a->qkv_bias != NULL) {  /* added after the matmul, as the layer loop adds it */
@@ -96,8 +98,8 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
         }
         failed = failed
               || paged_decode_rotary(
-                     qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, slots,
-                     a->k_cache, a->v_cache, (int)a->kv_type, block_tables, max_blocks, seq_lens, attn, batch, a->heads,
+                     qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, g->slots,
+                     a->k_cache, a->v_cache, (int)a->kv_type, g->block_tables, g->max_blocks, seq_lens, attn, batch, a->heads,
                      a->kv_heads, a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm,
                      a->k_norm, a->qk_norm_eps, num_threads, 0);
         if (!failed)

@@ -54,6 +54,7 @@ typedef struct {
     float logit_softcap;        /* c: scores -> c tanh(scores / c) after the scale; 0: none */
     const float *q_norm, *k_norm;   /* per-head RMSNorm weights [head_dim] before the rotation, or NULL */
     float qk_norm_eps;
+    int64_t kv_group;           /* its KV cache group: the decode_stack `groups` entry it reads */
 } tm_attention_plan;
 
 /* The activation fused into quant_matmul's input pass (its `gated` argument): none, or act(gate) * up
@@ -107,22 +108,31 @@ typedef struct {
     int32_t rank, size;
 } tm_shm;
 
+/* A decode step's block tables and cache slots in one KV cache group (engine/kv_cache.py: layers that
+ * mix full and sliding-window attention keep a table per group): slots [batch], block_tables
+ * [batch, max_blocks]. */
+typedef struct {
+    const int64_t *slots;
+    const int64_t *block_tables;
+    int64_t max_blocks;
+} tm_kv_group;
+
 /* sizeof of each plan struct, for the ctypes mirror's test: 0 tm_weight, 1 tm_attention_plan,
- * 2 tm_mlp_plan, 3 tm_layer_plan, 4 tm_shm, 5 tm_moe_plan. */
+ * 2 tm_mlp_plan, 3 tm_layer_plan, 4 tm_shm, 5 tm_moe_plan, 6 tm_kv_group. */
 int64_t plan_struct_size(int which);
 
 /* A decode step through `num_layers` layers: x [batch, hidden] fp32 (hidden: every layer's qkv
  * in_features) updated in place; cos/sin [batch, head_dim] (full-width rotary tables at each row's
- * position; cos_local/sin_local the same for layers with rope_local, else NULL), slots [batch],
- * block_tables [batch, max_blocks], seq_lens [batch]. `shm`: this rank's tensor-parallel group (the
- * layers are its part: o and down row-parallel, their outputs all-reduced), or NULL. Returns 1 if
- * out of memory, 2 for a plan this code cannot run (an unknown weight, activation or cache type, a
- * local layer without local tables, a mixture of experts under tensor parallelism or with a sandwich
- * norm), 3 if an all-reduce failed (shm_exchange's -1 / -2). */
+ * position; cos_local/sin_local the same for layers with rope_local, else NULL), `groups`: the
+ * block tables and slots of each of `num_groups` KV cache groups, seq_lens [batch]. `shm`: this
+ * rank's tensor-parallel group (the layers are its part: o and down row-parallel, their outputs
+ * all-reduced), or NULL. Returns 1 if out of memory, 2 for a plan this code cannot run (an unknown
+ * weight, activation or cache type, a local layer without local tables, a KV cache group out of
+ * range, a mixture of experts under tensor parallelism or with a sandwich norm), 3 if an all-reduce
+ * failed (shm_exchange's -1 / -2). */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
-                 const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
-                 const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const tm_shm *shm,
-                 int num_threads);
+                 const float *sin, const float *cos_local, const float *sin_local, const tm_kv_group *groups,
+                 int64_t num_groups, const int64_t *seq_lens, const tm_shm *shm, int num_threads);
 
 /* out [rows, hidden] = residual + moe(rmsnorm(x)) for x [rows, hidden] (moe.c; residual may be NULL: out
  * = moe(...); out may be x or residual). Returns 1 if out of memory. */
@@ -134,6 +144,8 @@ int sparse_moe(const tm_moe_plan *plan, const float *x, int64_t rows, const floa
 int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
                  const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads);
+/* 1 where quant_matmul has its VNNI path (AVX-512 builds, which the prefill attention kernel needs
+ * too); 0 where it runs the AVX2 path (x86-64-v3 builds) or the portable loops. */
 int quant_matmul_has_simd(void);
 
 /* y [m, n] fp32 = f(x) W^T (+ residual) for a dense bfloat16 W [n, k] and a few fp32 rows x (dense_matmul.c);

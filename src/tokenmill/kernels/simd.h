@@ -2,8 +2,8 @@
  * vector math the kernels need and float sums in one fixed order (sum16). Everything here is static
  * inline: each unit gets its own copy, so no call crosses a unit boundary in a hot loop.
  *
- * HAVE_AVX512 (AVX-512F) and HAVE_VNNI (plus BW and VNNI) follow the compiler's target
- * (-march=native). Each kernel has a portable C version beside its AVX-512 one; the portable one
+ * HAVE_AVX512 (AVX-512F), HAVE_VNNI (plus BW and VNNI) and HAVE_AVX2 (with FMA and F16C) follow
+ * the compiler's target (-march=native). Each kernel has a portable C version beside its AVX-512 one; the portable one
  * runs where the instructions are missing, and is the tests' reference where they are not. */
 #ifndef TOKENMILL_SIMD_H
 #define TOKENMILL_SIMD_H
@@ -22,6 +22,13 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
+#endif
+
+/* AVX2 with FMA and F16C (x86-64-v3: most x86 CPUs without AVX-512): the quantized matmul's
+ * second SIMD path, for CPUs that lack VNNI. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
 #endif
 
 #ifdef HAVE_AVX512

@@ -9,7 +9,9 @@ The packed batch (B requests, T tokens; here B = 3, T = 7, block_size = 4):
     block_tables    A: [5]  B: [2, 7, 3]  C: [0]    (padded with 0 to [B, max_blocks])
     slot_mapping    token at `pos` of request b -> block_tables[b][pos // 4] * 4 + pos % 4
 
-Each layer's cache is one tensor [2 (K, V), num_blocks, block_size, kv_heads, row]. A layer
+Each layer's cache is one tensor [2 (K, V), num_blocks, block_size, kv_heads, row] (shared with the
+layers in the same slot of the model's other KV cache groups, which read their own block tables and
+slots: AttentionMetadata.group, engine/kv_cache.py). A layer
 first writes the new K/V of every row to its slot, then each request's queries attend over the
 first seq_lens[b] slots of its own blocks (causally: query at position p sees keys 0..p).
 
@@ -22,6 +24,7 @@ holds its own scales and moves with them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -87,6 +90,18 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor        # [T] int64
     seq_lens_tensor: torch.Tensor     # [B] int64, same values as seq_lens
     block_size: int
+    # The same rows over the block tables of the model's other KV cache groups (engine/kv_cache.py:
+    # a model that mixes full and sliding-window layers), whose layers read `group(i)`.
+    other_groups: tuple[AttentionMetadata, ...] = ()
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata of KV cache group `index` (this one is group 0's)."""
+        return self if index == 0 else self.other_groups[index - 1]
+
+    @property
+    def group_tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot_mapping, block_tables) of every KV cache group, in group order."""
+        return [(m.slot_mapping, m.block_tables) for m in (self, *self.other_groups)]
 
     @property
     def is_decode_only(self) -> bool:
@@ -126,6 +141,7 @@ class Attention(KernelOp):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None  # bound once by the runner, see bind_kv_caches
+        self.kv_group = 0   # its KV cache group: the block tables it reads (AttentionMetadata.group)
 
     def uses_kernels(self) -> bool:
         """The one place the kernel choice is made: backend auto and a cache the C kernels read (they
@@ -140,6 +156,7 @@ class Attention(KernelOp):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         assert self.kv_cache is not None, "KV cache not bound: call bind_kv_caches() first"
+        meta = meta.group(self.kv_group)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
         for cache, new in ((k_cache, k), (v_cache, v)):
             flat = cache.view(-1, self.num_kv_heads, cache.shape[-1])
@@ -167,6 +184,7 @@ class Attention(KernelOp):
         and attention in one C call (see fuses_rotary_decode); the same result as norming and
         rotating, then forward()."""
         cos, sin = (t.reshape(qkv.shape[0], self.head_dim) for t in rope)
+        meta = meta.group(self.kv_group)
         out = kernels.paged_decode_rotary(qkv, cos, sin, meta.slot_mapping, self.kv_cache[0], self.kv_cache[1],
                                           meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale,
                                           qk_norm=qk_norm, **self.kernel_options)
@@ -256,12 +274,14 @@ class Attention(KernelOp):
         return torch.tanh(scores / self.logit_softcap) * self.logit_softcap
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], backend: str = "auto") -> None:
-    """Give each Attention layer (in module order) its cache tensor and the attention backend
-    ("auto" or "torch")."""
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], backend: str = "auto",
+                   groups: Sequence[int] | None = None) -> None:
+    """Give each Attention layer (in module order) its cache tensor, its KV cache group (`groups`,
+    default 0 for all) and the attention backend ("auto" or "torch")."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV cache tensors")
-    for layer, cache in zip(layers, kv_caches, strict=True):
+    for layer, cache, group in zip(layers, kv_caches, groups or [0] * len(layers), strict=True):
         layer.kv_cache = cache
+        layer.kv_group = group
     set_backend(model, backend, Attention)

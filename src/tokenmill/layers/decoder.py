@@ -102,8 +102,8 @@ class DecoderModel(nn.Module):
         if plan is not None:  # the whole stack in one C call: the same kernel calls as the loop below, same bits
             shm = self.embed_tokens.tp.shm   # (tensor parallelism: the row-parallel all-reduces run in C too)
             try:
-                x = kernels.decode_stack(plan, x, ropes["global"], meta.slot_mapping, meta.block_tables,
-                                         meta.seq_lens_tensor, ropes.get("local"),
+                x = kernels.decode_stack(plan, x, ropes["global"], meta.group_tables, meta.seq_lens_tensor,
+                                         ropes.get("local"),
                                          None if shm is None else shm.plan).to(x.dtype)
             except kernels.ShmError as e:
                 raise parallel.ParallelError(str(e)) from e

@@ -83,4 +83,4 @@ class RotaryAttention(nn.Module):
             sliding_window=self.attn.sliding_window or 0, logit_softcap=self.attn.logit_softcap or 0.0,
             q_norm=kernels.pointer(None if qk_norm is None else qk_norm[0]),
             k_norm=kernels.pointer(None if qk_norm is None else qk_norm[1]),
-            qk_norm_eps=0.0 if qk_norm is None else qk_norm[2]), tensors
+            qk_norm_eps=0.0 if qk_norm is None else qk_norm[2], kv_group=self.attn.kv_group), tensors

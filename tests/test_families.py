@@ -221,6 +221,13 @@ def test_sliding_layers_give_back_blocks_behind_the_window(kind, tiny_hf_model):
     assert again.num_cached_tokens >= 32 and again.output_token_ids == request.output_token_ids[:4]
 
 
+def test_a_pool_smaller_than_a_block_per_group_is_refused(tiny_hf_model):
+    from tokenmill.errors import TokenmillError
+
+    with pytest.raises(TokenmillError, match="smaller than one block per KV cache group"):
+        make_engine(tiny_hf_model("gemma3"), num_kv_blocks=5)
+
+
 def test_config_details_read_as_transformers_reads_them():
     """Qwen2 with use_sliding_window slides only the layers from max_window_layers on (no layer_types in
     older configs); a multimodal Gemma 3 config.json as the hub trims it (text_config with a few keys)

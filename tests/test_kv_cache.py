@@ -8,6 +8,8 @@ free / cache calls against a plain model of it and checks the pool's invariants 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import settings
@@ -411,6 +413,8 @@ def test_layers_form_groups_of_equal_size_sharing_cache_tensors():
     layers of 26, so one full group and six sliding ones of four, the last of two)."""
     assert kv_layout(_config(None, None)) == KVLayout((None,), (0,) * 4, (0, 1, 2, 3))
     assert kv_layout(_config(None, 8)) == KVLayout((8,), (0,) * 4, (0, 1, 2, 3))
+    # a window that no layer uses (Qwen2's use_sliding_window with max_window_layers past the last layer)
+    assert kv_layout(_config(("full",) * 4, 8)) == KVLayout((None,), (0,) * 4, (0, 1, 2, 3))
     assert kv_layout(_config(("sliding", "full"))) == KVLayout((None, 8), (1, 0), (0, 0))
     types = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26))
     layout = kv_layout(_config(types))
@@ -464,3 +468,32 @@ def test_a_sliding_group_holds_and_needs_only_its_window():
         del pool.block_hash[pool.cached.pop(key)]
     assert manager.find_cached_prefix(make_request(list(range(30)) + [99], "fourth")) == 3
     check_pool(pool)
+
+
+def test_a_hit_in_several_groups_revives_every_cached_block_before_allocating():
+    """A prefix hit in two groups from a tight pool: the blocks allocated for one group never include a
+    cached block another group is reviving (they come from the free queue's front, where the least
+    recently freed cached blocks wait), so no block lands in two tables, and the reference counts are
+    the tables' (swept over pool sizes and prompt lengths)."""
+    checked = 0
+    for num_blocks, length, release in itertools.product(range(6, 20), range(9, 40, 3), (False, True)):
+        pool = BlockPool(num_blocks)
+        manager = KVCacheManager(pool, BS, enable_prefix_caching=True, windows=(None, 8))
+        owner = make_request(list(range(length)), "owner")
+        if not manager.allocate_slots(owner, length):
+            continue
+        owner.num_computed_tokens = length
+        manager.cache_full_blocks(owner)
+        if release:
+            manager.release_behind_window(owner)
+        manager.free(owner)
+        again = make_request(list(range(length)) + [99] * 5, "again")
+        hit = manager.find_cached_prefix(again)
+        if not manager.allocate_slots(again, again.num_tokens - hit * BS, hit):
+            continue
+        held = [b for t in again.tables for b in t.block_ids[t.num_released:]]
+        assert len(held) == len(set(held)), (num_blocks, length, [t.block_ids for t in again.tables])
+        assert [pool.ref_count[b] for b in range(num_blocks)] == [held.count(b) for b in range(num_blocks)]
+        check_pool(pool)
+        checked += hit > 0
+    assert checked > 10

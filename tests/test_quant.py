@@ -333,6 +333,20 @@ def test_quality_bench_orders_modes(tiny_hf_model):
     assert report["predicted"] == report["tokens"] - 1  # every token after the first, once
 
 
+def test_quality_scorer_runs_models_with_several_kv_cache_groups(tiny_hf_model):
+    """Gemma 3 (a global layer and five sliding ones: six KV cache groups sharing one cache tensor): the
+    scorer gives each group blocks of its own, so its chunk-by-chunk logits over a sequence longer
+    than the window are one prefill's."""
+    from engine_helpers import make_engine, prefill_logits
+
+    path = str(tiny_hf_model("gemma3"))
+    scorer = Scorer.load(path, "none", context=48)
+    assert scorer.groups == 6 and scorer.num_blocks * 16 >= 48
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    chunks = torch.cat([scorer.logits(ids[i:i + 16], i) for i in range(0, 40, 16)])
+    torch.testing.assert_close(chunks, prefill_logits(make_engine(path), ids), atol=1e-4, rtol=0)
+
+
 def test_quality_bench_scores_in_float32_by_default(monkeypatch, tiny_gguf_model):
     """The reference is the dequantized model in float32 on every CPU: dtype auto would make it
     bfloat16 where the CPU has bf16 units (and the quantized modes float32), measuring bf16's error."""

@@ -20,8 +20,11 @@ from typing import Any
 
 import torch
 
+from tokenmill import hub
+from tokenmill.checkpoint import open_checkpoint
+from tokenmill.engine.kv_cache import kv_layout
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.models.loader import weight_forms
+from tokenmill.models.loader import checkpoint_config, weight_forms
 
 MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32", "auto-kv-int8")
 # auto: quantization=None (GGUF types kept quantized; on CPU with a bfloat16 KV cache); bf16: dense
@@ -39,7 +42,9 @@ def _weight_mib(model: torch.nn.Module) -> float:
 class Scorer:
     """One loaded model that returns float32 logits for consecutive chunks of one sequence.
 
-    The LLM needs `ceil(context / block_size)` KV blocks; the scorer uses blocks 0, 1, ... directly."""
+    The LLM needs `ceil(context / block_size)` KV blocks per KV cache group; the scorer uses them
+    directly: group g's sequence in blocks g n, g n + 1, ... (n blocks each), so slot == g n
+    block_size + position."""
 
     def __init__(self, llm: Any, load_s: float = 0.0):
         self.llm = llm
@@ -47,7 +52,8 @@ class Scorer:
         self.model = llm.engine.model
         self.device = llm.engine.device
         self.block_size = llm.engine.config.block_size
-        self.num_blocks = llm.engine.pool.num_blocks
+        self.groups = len(llm.engine.layout.windows)
+        self.num_blocks = llm.engine.pool.num_blocks // self.groups   # per group
 
     @classmethod
     def load(cls, model_path: str, mode: str, context: int, dtype: str = "float32", block_size: int = 16) -> Scorer:
@@ -59,9 +65,10 @@ class Scorer:
             mode, dtype = "none", "bfloat16"
         elif mode in KV_MODES:
             mode, kv_cache_dtype = "auto", KV_MODES[mode]
+        groups = len(kv_layout(checkpoint_config(open_checkpoint(hub.model_path(model_path)))[1]).windows)
         llm = LLM(model_path, dtype=dtype, quantization=None if mode == "auto" else mode,
-                  kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-context // block_size), block_size=block_size,
-                  max_num_seqs=1)
+                  kv_cache_dtype=kv_cache_dtype, num_kv_blocks=groups * -(-context // block_size),
+                  block_size=block_size, max_num_seqs=1)
         return cls(llm, time.perf_counter() - start)
 
     @torch.inference_mode()
@@ -71,11 +78,14 @@ class Scorer:
         if start + len(ids) > self.num_blocks * self.block_size:
             raise ValueError(f"position {start + len(ids)} is past the scorer's {self.num_blocks} KV blocks")
         n, end = len(ids), start + len(ids)
-        meta = AttentionMetadata(
+        metas = [AttentionMetadata(
             query_start_loc=[0, n], seq_lens=[end],
-            block_tables=torch.arange(self.num_blocks, device=self.device)[None],
-            slot_mapping=torch.arange(start, end, device=self.device),
+            block_tables=torch.arange(g * self.num_blocks, (g + 1) * self.num_blocks, device=self.device)[None],
+            slot_mapping=torch.arange(start, end, device=self.device) + g * self.num_blocks * self.block_size,
             seq_lens_tensor=torch.tensor([end], device=self.device), block_size=self.block_size)
+            for g in range(self.groups)]
+        meta = metas[0]
+        meta.other_groups = tuple(metas[1:])
         hidden = self.model(torch.tensor(ids, device=self.device), torch.arange(start, end, device=self.device), meta)
         return self.model.compute_logits(hidden).float().cpu()
 

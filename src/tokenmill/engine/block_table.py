@@ -13,4 +13,4 @@ class BlockTable:
 
     block_ids: list[int] = field(default_factory=list)
     num_cached: int = 0      # leading entries registered in the prefix cache
-    num_released: int = 0    # leading entries given back, behind a sliding window (they read block 0)
+    num_released: int = 0    # leading entries given back, behind a sliding window (set to 0, never read)

@@ -149,6 +149,9 @@ class LLMEngine:
         # the longest request the pool holds alone (the blocks it holds grow with its length)
         self.max_model_len = bisect.bisect_right(range(1, context + 1), False, key=lambda n: layout.max_blocks_held(
             n, config.block_size, step) > num_blocks)
+        if self.max_model_len < 1:
+            raise TokenmillError(f"the KV pool ({num_blocks} blocks) is smaller than one block per KV cache group "
+                                 f"({len(layout.windows)}); raise num_kv_blocks or kv_cache_memory")
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, layout.windows)
         self.layout = layout
@@ -178,13 +181,13 @@ class LLMEngine:
         self.num_finished = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         windows = [w for w in layout.windows if w is not None]
+        groups = (f" ({len(layout.windows)} groups of layers, {len(windows)} sliding: window {windows[0]})"
+                  if len(layout.windows) > 1 else f" (sliding window {windows[0]})" if windows else "")
         logger.info("memory plan%s: weights %.1f MiB (%s%s); KV cache (%s) %d B/token%s, %d blocks of %d tokens "
                     "(%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
                     f" ({tp.size} tensor-parallel ranks)" if tp.size > 1 else "", weight_bytes / 2**20, self.dtype,
                     ", rank 0's part" if tp.size > 1 else "", self.kv_dtype, per_token,
-                    f" ({len(layout.windows)} groups of layers, {len(windows)} sliding: window {windows[0]})"
-                    if windows else "", num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
-                    self.max_model_len,
+                    groups, num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.max_model_len,
                     num_blocks / layout.max_blocks_held(self.max_model_len, config.block_size, step))
 
     def shutdown(self) -> None:
@@ -223,10 +226,6 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise SamplingParamsError("min_tokens", f"must be <= the {max_tokens} tokens that prompt ({n} tokens) "
                                       f"leaves within max_model_len ({self.max_model_len}), got {params.min_tokens}")
-        need = self.layout.max_blocks_held(n + max_tokens, self.config.block_size, self.config.max_num_batched_tokens)
-        if need > self.pool.num_blocks:
-            raise TokenmillError(f"prompt: {n} tokens + max_tokens {max_tokens} need {need} KV blocks but the pool "
-                                 f"has only {self.pool.num_blocks}; lower max_tokens or raise kv_cache_memory")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise TokenmillError(f"request_id {request_id!r} is already in use")

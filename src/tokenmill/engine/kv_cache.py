@@ -63,7 +63,8 @@ def kv_layout(cfg: ModelConfig) -> KVLayout:
     layers of one kind each, the full layers' first (the last group of a kind may be smaller)."""
     kinds = [cfg.layer_slides(i) for i in range(cfg.num_layers)]
     if len(set(kinds)) == 1:
-        return KVLayout((cfg.sliding_window,), (0,) * cfg.num_layers, tuple(range(cfg.num_layers)))
+        window = cfg.sliding_window if kinds[0] else None   # (a window no layer uses is none)
+        return KVLayout((window,), (0,) * cfg.num_layers, tuple(range(cfg.num_layers)))
     full = [i for i, slides in enumerate(kinds) if not slides]
     sliding = [i for i, slides in enumerate(kinds) if slides]
     size = min(len(full), len(sliding))
@@ -262,7 +263,7 @@ class KVCacheManager:
         """Grow the request's block tables to hold its computed tokens, then `num_cached_blocks`
         blocks found by find_cached_prefix (at admission), `num_loaded_tokens` whose K/V is written
         in (kv_transfer) and `num_new_tokens` to compute. A sliding group skips the blocks before the
-        window of the first token to compute. Returns False (changing nothing) when the pool has too
+        window of the first token to compute. Returns False (taking no block) when the pool has too
         few free blocks."""
         tables = self._tables(request)
         hashes = self._full_block_hashes(request)
@@ -274,14 +275,15 @@ class KVCacheManager:
             cached = [self.pool.lookup(self._key(group, h)) for h in hashes[skip:num_cached_blocks]]
             have = max(len(table.block_ids), skip) + len(cached)
             plans.append((skip, cached, max(0, total_blocks - have)))
-        revived = sum(1 for _, cached, _ in plans for b in set(cached) if self.pool.ref_count[b] == 0)
+        revived = sum(1 for _, cached, _ in plans for b in cached if self.pool.ref_count[b] == 0)
         if sum(need for _, _, need in plans) + revived > self.pool.num_free:
             return False
+        for _, cached, _ in plans:   # every group's cached blocks out of the free queue before any allocation
+            self.pool.share(cached)
         for table, (skip, cached, need) in zip(tables, plans, strict=True):
             if skip > len(table.block_ids):   # a new table: entries before the window hold nothing
                 table.block_ids.extend([0] * (skip - len(table.block_ids)))
                 table.num_released = skip
-            self.pool.share(cached)
             table.block_ids.extend(cached)
             table.block_ids.extend(self.pool.allocate(need))
             table.num_cached = max(table.num_cached, num_cached_blocks, table.num_released)

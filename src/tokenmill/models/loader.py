@@ -51,6 +51,17 @@ logger = logging.getLogger(__name__)
 Shard = torch.Tensor | GGUFBlocks | BlockQuant   # BlockQuant: a quantized matrix cut by tensor parallelism
 
 
+def checkpoint_config(ckpt: GGUFCheckpoint | HFCheckpoint) -> tuple[type, ModelConfig]:
+    """The model class of a checkpoint and its config (read from its metadata; no weights loaded)."""
+    architecture = ckpt.architecture
+    if isinstance(ckpt, GGUFCheckpoint) and architecture == "llama" and ckpt.metadata.get("llama.expert_count"):
+        architecture = "mixtral"  # llama.cpp converts Mixtral as a llama with experts
+    cls = get_model_class(architecture)
+    if isinstance(ckpt, GGUFCheckpoint):
+        return cls, cls.config_from_gguf(ckpt, ConfigFields(ckpt.metadata, str(ckpt.path), f"{ckpt.architecture}."))
+    return cls, cls.config_from_hf(ConfigFields(ckpt.config, str(ckpt.path / "config.json")))
+
+
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
                show_progress: bool = False, quantization: str | None = None,
                max_model_len: int | None = None, use_weight_cache: bool = False,
@@ -62,14 +73,7 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
     or keep them for the next one (models/weight_cache.py); CPU quantized loads only.
     `tp`: build and fill rank `tp.rank`'s part of the model (tokenmill/parallel.py)."""
     quantization = _check_quantization(quantization, device)
-    architecture = ckpt.architecture
-    if isinstance(ckpt, GGUFCheckpoint) and architecture == "llama" and ckpt.metadata.get("llama.expert_count"):
-        architecture = "mixtral"  # llama.cpp converts Mixtral as a llama with experts
-    cls = get_model_class(architecture)
-    if isinstance(ckpt, GGUFCheckpoint):
-        config = cls.config_from_gguf(ckpt, ConfigFields(ckpt.metadata, str(ckpt.path), f"{ckpt.architecture}."))
-    else:
-        config = cls.config_from_hf(ConfigFields(ckpt.config, str(ckpt.path / "config.json")))
+    cls, config = checkpoint_config(ckpt)
     if max_model_len is not None and max_model_len < config.max_position_embeddings:
         config = dataclasses.replace(config, max_position_embeddings=max_model_len)
 

@@ -30,6 +30,13 @@
 #include "rows.h"
 #include "simd.h"
 
+/* CPUs with AVX2 but not VNNI take tile_avx2 */
+#if defined(HAVE_AVX2) && !defined(HAVE_VNNI)
+#define AVX2_TILES 1
+#else
+#define AVX2_TILES 0
+#endif
+
 #define TILE 16
 #define GROUP 32
 
@@ -51,9 +58,8 @@ static inline float f16_to_f32(uint16_t h) {
  * the plain int8 error, for twice the dot products. */
 
 /* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
- * clamped to +-127; dx = fine, bx = the group's float sum (sum16's order), xs = the integer sums of
- * its hi and its lo values (for the AVX2 kernel's offset trick). */
-static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx, float *bx, int32_t *xs) {
+ * clamped to +-127; dx = fine, bx = the group's float sum (sum16's order). */
+static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx, float *bx) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
         float amax = 0.0f;
@@ -90,13 +96,6 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
 #endif
         dx[g] = fine;
         bx[g] = sum;
-        int32_t sh = 0, sl = 0;
-        for (int i = 0; i < GROUP; i++) {
-            sh += hi[g * GROUP + i];
-            sl += lo[g * GROUP + i];
-        }
-        xs[2 * g] = sh;
-        xs[2 * g + 1] = sl;
     }
 }
 
@@ -117,7 +116,7 @@ typedef struct {
     int64_t groups, k, n;           /* n: outputs, the row stride of y and residual */
     const int8_t *q;                /* per activation row: its hi plane [k], then its lo plane [k] */
     const float *dx, *bx;           /* per activation row: [groups] */
-    const int32_t *xs;              /* per activation row: [groups][2] (quantize_row) */
+    const int16_t *x16;             /* AVX2 builds: per activation row, 254 hi + lo [k] */
     const float *residual;          /* or NULL */
     float *y;
 } tile_job;
@@ -232,82 +231,79 @@ __attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_
 }
 #endif
 
-#if defined(HAVE_AVX2) && !defined(HAVE_VNNI)
-/* The same sums as tile_generic on AVX2 for MB (1 to 4, constant at the call site) activation rows:
- * VNNI's dot products of 4 unsigned weights and 4 int8 activations per 32-bit lane, emulated by
- * maddubs (pairs of u8 x s8 -> s16, saturating) and madd (pairs of s16 -> s32). The same layout,
- * 8 rows per 256-bit half of a tile's 64-byte vector. Exact without saturation: 4-bit weights (u <=
- * 15) give pairs of at most 2 x 15 x 127, so eight of them still fit an s16; 8-bit weights are
- * offset to s = u - 128 (|s| <= 128), summed as |s| x sign(s) x, pairs of at most 2 x 128 x 127, and
- * 128 x the group's activation sum (xs) added back: sum u x = sum s x + 128 sum x. So the integer
- * sums are tile_generic's, and the float steps are its, in its order: the same bits. */
+#if AVX2_TILES
+/* x16 += 254 hi + lo over a row of k: the two planes in one int16 plane, exactly (|x16| <= 32385). */
+static inline void combine_planes(const int8_t *hi, const int8_t *lo, int64_t k, int16_t *x16) {
+    for (int64_t i = 0; i < k; i += 16) {
+        const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(hi + i)));
+        const __m256i l = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(lo + i)));
+        _mm256_storeu_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_mullo_epi16(h, _mm256_set1_epi16(254)), l));
+    }
+}
+
+/* Weights of 4 inputs of 8 rows (one 32-byte half of a tile vector, as 16-bit values: `a` rows 0, 1,
+ * 4, 5 and `b` rows 2, 3, 6, 7, each lane of 32 bits a pair of inputs) against MB activation rows:
+ * A[r] / B[r] += pair sums with those 4 inputs of row r's x16 (broadcast as one 64-bit value, so
+ * lanes alternate between the pairs). */
+static ALWAYS_INLINE void madd_rows(const int MB, __m256i *A, __m256i *B, __m256i a, __m256i b, const int16_t *x,
+                                    int64_t k) {
+    for (int r = 0; r < MB; r++) {
+        const __m256i xv = _mm256_set1_epi64x(*(const int64_t *)(x + r * k));
+        A[r] = _mm256_add_epi32(A[r], _mm256_madd_epi16(a, xv));
+        B[r] = _mm256_add_epi32(B[r], _mm256_madd_epi16(b, xv));
+    }
+}
+
+/* The same sums as tile_generic on AVX2 (+ FMA, F16C) for MB (1 to 4, constant at the call site)
+ * activation rows, one half of the tile (8 outputs) at a time. The activations are the two planes
+ * combined, x16 = 254 hi + lo, and the weights are widened to 16 bits, so one madd (pairs of s16 x
+ * s16 -> s32) takes both planes: sum_k u x16 = 254 sh + sl, exact in int32 (at most 32 x 255 x 32385).
+ * Its conversion to float is tile_generic's fmaf((float)sh, 254, (float)sl) (one rounding of the same
+ * integer), and the float steps follow in its order: the same bits. */
 static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t, int64_t i0, int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
-    const int eight = job->bits == 8;
-    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    __m256 acc[4][2];
-    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *tg = job->w + (t * groups + g) * gbytes;
-        __m256i u[8][2], s[8][2];   /* [4 inputs c][rows 0-7 | 8-15]: unsigned operands; 8 bits: u - 128 */
-        for (int h = 0; h < 2; h++) {
-            if (!eight) {
-                for (int j = 0; j < 4; j++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * j + 32 * h));
-                    u[j][h] = _mm256_and_si256(v, low);
-                    u[j + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi16(15);
+    float out[4][TILE];
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[4];
+        for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *tg = job->w + (t * groups + g) * gbytes + 32 * h;
+            const int16_t *xg = job->x16 + i0 * k + g * GROUP;
+            __m256i A[4], B[4];
+            for (int r = 0; r < MB; r++) A[r] = B[r] = zero;
+            /* (not unrolled: unrolled, the compiler hoists every product ahead of the sums and spills them) */
+            if (job->bits == 4) {
+#pragma GCC unroll 1
+                for (int j = 0; j < 4; j++) {  /* inputs 4j.. in the low nibbles, 16 + 4j.. in the high */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * j));
+                    const __m256i a = _mm256_unpacklo_epi8(v, zero), b = _mm256_unpackhi_epi8(v, zero);
+                    madd_rows(MB, A, B, _mm256_and_si256(a, low), _mm256_and_si256(b, low), xg + 4 * j, k);
+                    madd_rows(MB, A, B, _mm256_srli_epi16(a, 4), _mm256_srli_epi16(b, 4), xg + 16 + 4 * j, k);
                 }
             } else {
+#pragma GCC unroll 1
                 for (int c = 0; c < 8; c++) {
-                    s[c][h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tg + 64 * c + 32 * h)), flip);
-                    u[c][h] = _mm256_abs_epi8(s[c][h]);
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * c));
+                    madd_rows(MB, A, B, _mm256_unpacklo_epi8(v, zero), _mm256_unpackhi_epi8(v, zero), xg + 4 * c, k);
                 }
             }
-        }
-        const int64_t sg = (t * groups + g) * TILE;
-        const __m256 dv[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg))),
-                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg + 8)))};
-        const __m256 mv[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg))),
-                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg + 8)))};
-        for (int r = 0; r < MB; r++) {
-            const int64_t i = i0 + r;
-            const int8_t *qg = job->q + i * 2 * k + g * GROUP;
-            const int32_t *xs = job->xs + 2 * (i * groups + g);
-            __m256i sums[2][2];   /* [hi | lo plane][half] */
-            for (int p = 0; p < 2; p++) {
-                const int32_t *x = (const int32_t *)(qg + p * k);
-                for (int h = 0; h < 2; h++) {
-                    __m256i total;
-                    if (!eight) {
-                        __m256i pairs = _mm256_setzero_si256();
-                        for (int c = 0; c < 8; c++)
-                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[c][h], _mm256_set1_epi32(x[c])));
-                        total = _mm256_madd_epi16(pairs, ones);
-                    } else {
-                        total = _mm256_set1_epi32(128 * xs[p]);
-                        for (int c = 0; c < 8; c++) {
-                            const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x[c]), s[c][h]);
-                            total = _mm256_add_epi32(total, _mm256_madd_epi16(_mm256_maddubs_epi16(u[c][h], xv), ones));
-                        }
-                    }
-                    sums[p][h] = total;
-                }
-            }
-            const __m256 dx = _mm256_set1_ps(job->dx[i * groups + g]), bx = _mm256_set1_ps(job->bx[i * groups + g]);
-            for (int h = 0; h < 2; h++) {
-                const __m256 sv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0][h]), _mm256_set1_ps(254.0f),
-                                                  _mm256_cvtepi32_ps(sums[1][h]));
-                acc[r][h] = _mm256_fmadd_ps(sv, _mm256_mul_ps(dv[h], dx), acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(mv[h], bx, acc[r][h]);
+            const int64_t sg = (t * groups + g) * TILE + 8 * h;
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg)));
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)));
+            for (int r = 0; r < MB; r++) {
+                const int64_t at = (i0 + r) * groups + g;
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_hadd_epi32(A[r], B[r]));   /* rows 0..7 in order */
+                acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(job->bx[at]), acc[r]);
             }
         }
+        for (int r = 0; r < MB; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
     }
     for (int r = 0; r < MB; r++) {
         const int64_t at = (i0 + r) * job->n + t * TILE;
-        float out[TILE];
-        _mm256_storeu_ps(out, acc[r][0]);
-        _mm256_storeu_ps(out + 8, acc[r][1]);
-        for (int j = 0; j < nrows; j++) job->y[at + j] = job->residual != NULL ? out[j] + job->residual[at + j] : out[j];
+        for (int j = 0; j < nrows; j++)
+            job->y[at + j] = job->residual != NULL ? out[r][j] + job->residual[at + j] : out[r][j];
     }
 }
 
@@ -334,21 +330,23 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
     int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
     float *dx = malloc(sizeof(float) * (size_t)(mrows * groups));
     float *bx = malloc(sizeof(float) * (size_t)(mrows * groups));
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(2 * mrows * groups));
+    int16_t *x16 = AVX2_TILES ? malloc(sizeof(int16_t) * (size_t)(mrows * k)) : NULL;   /* tile_avx2's plane */
     float *tmp = fused ? malloc(sizeof(float) * (size_t)(mrows * k)) : NULL;
-    if (q == NULL || dx == NULL || bx == NULL || xs == NULL || (fused && tmp == NULL)) {
-        free(q); free(dx); free(bx); free(xs); free(tmp);
+    if (q == NULL || dx == NULL || bx == NULL || (AVX2_TILES && x16 == NULL) || (fused && tmp == NULL)) {
+        free(q); free(dx); free(bx); free(x16); free(tmp);
         return 1;
     }
     #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
     {
         /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
-        const tile_job job = {w, d, m, bits, groups, k, n, q, dx, bx, xs, residual, y};
+        const tile_job job = {w, d, m, bits, groups, k, n, q, dx, bx, x16, residual, y};
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < mrows; i++) {
             const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0), generic);
-            quantize_row(row, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups,
-                         xs + 2 * i * groups);
+            quantize_row(row, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups);
+#if AVX2_TILES
+            combine_planes(q + 2 * i * k, q + 2 * i * k + k, k, x16 + i * k);
+#endif
         }
         /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of
          * the weight passes over them (a prefill chunk's rows would not). */
@@ -365,7 +363,7 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
                         tile_rows_vnni(&job, t, i, end, nrows);
                         continue;
                     }
-#elif defined(HAVE_AVX2)
+#elif AVX2_TILES
                     if (!generic) {
                         tile_rows_avx2(&job, t, i, end, nrows);
                         continue;
@@ -376,7 +374,7 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
             }
         }
     }
-    free(q); free(dx); free(bx); free(xs); free(tmp);
+    free(q); free(dx); free(bx); free(x16); free(tmp);
     return 0;
 }
 

@@ -805,7 +805,11 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     """The kernels compiled for x86-64-v3 (AVX2, FMA and F16C, no AVX-512: most x86 CPUs without it),
     where the quantized matmul takes its AVX2 path: exactly the sums of this machine's build and of the
     portable loops, for 4- and 8-bit weights (u up to 255, where a plain u8 x s8 pair sum saturates),
-    1 to 9 rows (runs of 4, 2, 1), a partial last tile, the fused gating and norm, a residual."""
+    1 to 9 rows (runs of 4, 2, 1), a partial last tile, the fused norm, a residual. The fused gating
+    (a vectorized exp / tanh in every SIMD build, `generic` or not) == the activation computed by torch
+    and then the kernel, to float32 rounding."""
+    import torch.nn.functional as F
+
     from tokenmill.layers.quant import QuantWeight, quantize
 
     if not all(f in kernels.cpu_flags().split() for f in ("avx2", "fma", "f16c")):
@@ -819,13 +823,19 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
             norm = (torch.rand(k, generator=g) + 0.5, 1e-5)
             cases.append((weight, n, bits, x, residual, norm))
 
-    def run(generic: bool = False) -> list[torch.Tensor]:
-        out = []
+    def run(generic: bool = False) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        exact, gated = [], []
         for weight, n, bits, x, residual, norm in cases:
             args = (weight.packed, weight.scales, weight.offsets, n, bits)
-            out.append(kernels.quant_matmul(x[:, :x.shape[1] // 2], *args, generic=generic))
-            out.append(kernels.quant_matmul(x, *args, gated="silu", norm=norm, residual=residual, generic=generic))
-        return out
+            gate, up = x.chunk(2, dim=-1)
+            exact.append(kernels.quant_matmul(gate, *args, generic=generic))
+            exact.append(kernels.quant_matmul(up, *args, norm=norm, residual=residual, generic=generic))
+            gated.append((kernels.quant_matmul(x, *args, gated="silu", norm=norm, residual=residual, generic=generic),
+                          kernels.quant_matmul(F.silu(gate) * up, *args, norm=norm, residual=residual,
+                                               generic=generic)))
+            gated.append((kernels.quant_matmul(x, *args, gated="gelu_tanh", generic=generic),
+                          kernels.quant_matmul(F.gelu(gate, approximate="tanh") * up, *args, generic=generic)))
+        return exact, gated
 
     native, portable = run(), run(generic=True)
     monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in kernels._FLAGS])
@@ -835,8 +845,10 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
         avx2 = run()
     finally:
         _clear_kernel_caches()
-    for a, b, c in zip(avx2, native, portable, strict=True):
+    for a, b, c in zip(avx2[0], native[0], portable[0], strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+    for got, expected in avx2[1]:
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 @pytest.mark.parametrize("generic", [False, True])

@@ -21,6 +21,8 @@
 static inline void rms_norm_row(const float *x, int64_t n, const float *w, float eps, float *out, int generic) {
 #ifdef HAVE_AVX512
     const float squares = generic ? sum16(x, n, 1) : sum16_avx512(x, n, 1);
+#elif defined(HAVE_AVX2)
+    const float squares = generic ? sum16(x, n, 1) : sum16_avx2(x, n, 1);
 #else
     (void)generic;
     const float squares = sum16(x, n, 1);

@@ -57,6 +57,15 @@ static inline float f16_to_f32(uint16_t h) {
  * rounds the remainder (|lo| <= 127), so each activation is within dx / 2 of its value: 2^-8 of
  * the plain int8 error, for twice the dot products. */
 
+#if AVX2_TILES
+/* 32 int32 values within +-127 (4 vectors, in order) -> 32 bytes in order (the packs work within
+ * 128-bit lanes: a permutation puts the 4-byte runs back in order). */
+static inline __m256i pack_bytes(const __m256i *v) {
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 /* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
  * clamped to +-127; dx = fine, bx = the group's float sum (sum16's order). */
 static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx, float *bx) {
@@ -67,6 +76,17 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
         const __m512 x0 = _mm512_loadu_ps(xg), x1 = _mm512_loadu_ps(xg + 16);
         amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float sum = sum16_512(_mm512_add_ps(x0, x1));
+#elif AVX2_TILES
+        __m256 xv[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            xv[j] = _mm256_loadu_ps(xg + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), xv[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        const float sum = sum16_256(_mm256_add_ps(xv[0], xv[2]), _mm256_add_ps(xv[1], xv[3]));
 #else
         for (int i = 0; i < GROUP; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
         const float sum = sum16(xg, GROUP, 0);
@@ -85,6 +105,19 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
             _mm_storeu_si128((__m128i *)(hi + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
             _mm_storeu_si128((__m128i *)(lo + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
         }
+#elif AVX2_TILES
+        const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m256 vinv = _mm256_set1_ps(inv), vstep = _mm256_set1_ps(step), vfine = _mm256_set1_ps(inv_fine);
+        __m256i hv[4], lv[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256 h = _mm256_round_ps(_mm256_mul_ps(xv[j], vinv), round);
+            __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(xv[j], _mm256_mul_ps(h, vstep)), vfine), round);
+            l = _mm256_min_ps(_mm256_max_ps(l, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            hv[j] = _mm256_cvtps_epi32(h);
+            lv[j] = _mm256_cvtps_epi32(l);
+        }
+        _mm256_storeu_si256((__m256i *)(hi + g * GROUP), pack_bytes(hv));
+        _mm256_storeu_si256((__m256i *)(lo + g * GROUP), pack_bytes(lv));
 #else
         for (int i = 0; i < GROUP; i++) {
             const float h = nearbyintf(xg[i] * inv);

@@ -74,6 +74,45 @@ static inline __m512 tanh512(__m512 x) {
 }
 #endif
 
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
+/* exp512 and tanh512 on 8 lanes, the same steps (2^n by building the float: n is within
+ * [-126, 127] after the clamp, so it is a normal number and the product exact). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static inline __m256 tanh256(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 a = _mm256_andnot_ps(sign, x);
+    const __m256 y = _mm256_mul_ps(a, _mm256_set1_ps(-2.0f));               /* <= 0 */
+    __m256 p = _mm256_set1_ps(1.0f / 40320);                                /* (e^y - 1) / y */
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 5040));
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, y, one);
+    const __m256 small = _mm256_cmp_ps(y, _mm256_set1_ps(-0.34657359f), _CMP_GE_OQ);
+    const __m256 em1 = _mm256_blendv_ps(_mm256_sub_ps(exp256(y), one), _mm256_mul_ps(p, y), small);
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_setzero_ps(), em1), _mm256_add_ps(em1, _mm256_set1_ps(2.0f)));
+    return _mm256_or_ps(t, _mm256_and_ps(x, sign));   /* the sign of x back on |tanh| */
+}
+#endif
+
 /* ---- float sums in one fixed order in every build ----
  * 16 lanes, lane j summing elements j, j + 16, j + 32, ... in turn (lanes past a short row's end
  * hold 0); then lanes j and j + w for w = 8, 4, 2, 1. With `squares`, each element is squared and
@@ -121,6 +160,32 @@ static inline float sum16_avx512(const float *x, int64_t n, int squares) {
         s = _mm512_mask_add_ps(s, live, s, squares ? _mm512_mul_ps(u, u) : u);
     }
     return sum16_512(s);
+}
+#endif
+
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
+/* sum16_tree on 16 lanes held as two vectors (lanes 0-7, lanes 8-15). */
+static inline float sum16_256(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(c) + _mm_cvtss_f32(_mm_shuffle_ps(c, c, 1));
+}
+
+/* sum16 in two vectors of 8 lanes: the first 16 elements (lanes past n: 0), then each further part
+ * added on its live lanes only (the others get -0, which changes no sum, as sum16 leaves them). */
+static inline float sum16_avx2(const float *x, int64_t n, int squares) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 s[2];
+    for (int64_t i = 0; i < n || i == 0; i += 16)
+        for (int h = 0; h < 2; h++) {
+            const int64_t live = n - i - 8 * h;
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live > 8 ? 8 : live < 0 ? 0 : (int)live), lanes);
+            const __m256 u = _mm256_maskload_ps(x + i + 8 * h, mask);
+            const __m256 t = squares ? _mm256_mul_ps(u, u) : u;
+            s[h] = i == 0 ? t : _mm256_add_ps(s[h], _mm256_blendv_ps(_mm256_set1_ps(-0.0f), t, _mm256_castsi256_ps(mask)));
+        }
+    return sum16_256(s[0], s[1]);
 }
 #endif
 

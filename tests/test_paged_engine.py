@@ -556,9 +556,9 @@ def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind, kv_cac
     with the decode kernel rather than the prefill kernel (another summation order). An int8 cache
     quantizes the same K/V to the same bytes in the prefill path (PyTorch) and the decode path (C).
     Mixtures of experts run one C block (moe.c) that routes and sums each row on its own. Builds without
-    AVX-512 have no C prefill kernel: their prompts run SDPA, whose rows depend on the chunk they are in."""
-    if not kernels.load().quant_matmul_has_simd():
-        pytest.skip("the C prefill kernel is AVX-512 only; SDPA's rows depend on their chunk")
+    AVX-512 or AVX2 have no C prefill kernel: their prompts run SDPA, whose rows depend on their chunk."""
+    if not kernels.has_prefill_kernel():
+        pytest.skip("no C prefill kernel in this build; SDPA's rows depend on their chunk")
     engine = make_engine(tiny_gguf_model(kind, "Q8_0"), block_size=4, max_num_batched_tokens=16,
                          enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     prompts = _prompts(engine.model_config.vocab_size, [1, 5, 12, 19, 8, 3, 16], seed=13)

@@ -2,7 +2,8 @@
 
 - paged_decode.c: single-query (decode) attention straight from the paged KV cache, alone or with
   the rotary embedding and the cache write fused in.
-- paged_prefill.c: causal attention of a prefill chunk over the paged KV cache (AVX-512 builds).
+- paged_prefill.c: causal attention of a prefill chunk over the paged KV cache (AVX-512 and AVX2
+  builds).
 - quant_matmul.c: x W^T for weights in 4/8-bit groups of 32 with int8 activations (VNNI), and
   row dequantization of the same layout (layers/quant.py packs the weights).
 - dense_matmul.c: x W^T for a dense bfloat16 weight and a few activation rows (a bf16 model's decode
@@ -121,6 +122,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_rotary.restype = i32
     lib.paged_prefill.argtypes = [ptr, ptr, ptr, i32, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
     lib.paged_prefill.restype = i32
+    lib.paged_prefill_available.restype = i32
     lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.quant_matmul.restype = i32
     lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
@@ -220,13 +222,19 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
+def has_prefill_kernel() -> bool:
+    """Does this machine's build have paged_prefill (AVX-512 or AVX2; elsewhere prompts run SDPA)?"""
+    lib = load()
+    return lib is not None and bool(lib.paged_prefill_available())
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_len: int, scale: float, sliding_window: int | None = None,
                   logit_softcap: float | None = None) -> torch.Tensor | None:
     """Causal attention of one request's query rows q [n, heads, head_dim] (its last n positions of
     seq_len) over its paged K/V (block_table [>= ceil(seq_len / block_size)] int64) -> fp32 [n, heads,
-    head_dim]; None where the kernel does not apply (no AVX-512 build, head_dim not a multiple of 16):
-    the caller runs SDPA. Options as in paged_decode (blocks wholly before the first row's window
+    head_dim]; None where the kernel does not apply (no AVX-512 or AVX2 build, head_dim not a multiple of
+    16): the caller runs SDPA. Options as in paged_decode (blocks wholly before the first row's window
     are not read). Caller checks supports_paged_decode(k_cache) first."""
     lib = load()
     q = q.float().contiguous()

@@ -2,7 +2,7 @@
  * with ctypes; tests/test_kernels.py checks the sizes agree) and every exported function, each
  * defined in one unit:
  *   paged_decode.c   paged_decode, paged_decode_rotary
- *   paged_prefill.c  paged_prefill
+ *   paged_prefill.c  paged_prefill, paged_prefill_available
  *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
  *   dense_matmul.c   bf16_matmul
  *   moe.c            sparse_moe
@@ -144,8 +144,8 @@ int sparse_moe(const tm_moe_plan *plan, const float *x, int64_t rows, const floa
 int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
                  const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads);
-/* 1 where quant_matmul has its VNNI path (AVX-512 builds, which the prefill attention kernel needs
- * too); 0 where it runs the AVX2 path (x86-64-v3 builds) or the portable loops. */
+/* 1 where quant_matmul has its VNNI path (AVX-512 builds); 0 where it runs the AVX2 path (x86-64-v3
+ * builds) or the portable loops. */
 int quant_matmul_has_simd(void);
 
 /* y [m, n] fp32 = f(x) W^T (+ residual) for a dense bfloat16 W [n, k] and a few fp32 rows x (dense_matmul.c);
@@ -197,10 +197,12 @@ int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, co
                         const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
                         const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic);
-/* Causal prefill attention of one request's last num_q positions (paged_prefill.c, AVX-512 builds):
- * q/out [num_q, heads, head_dim], table its block table. Returns -1 where it does not apply. */
+/* Causal prefill attention of one request's last num_q positions (paged_prefill.c, AVX-512 and AVX2
+ * builds): q/out [num_q, heads, head_dim], table its block table. Returns -1 where it does not apply. */
 int paged_prefill(const float *q, const void *k, const void *v, int kv_type, const int64_t *table, int64_t seq_len,
                   int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                   float scale, int64_t window, float softcap, int num_threads);
+/* 1 where this build has paged_prefill (AVX-512 or AVX2), else 0. */
+int paged_prefill_available(void);
 
 #endif

@@ -1,8 +1,8 @@
-/* Prefill attention over a paged KV cache, for CPUs with AVX-512: one request's num_q query rows
- * (the last num_q positions of its seq_len tokens, causal) over its K/V.
+/* Prefill attention over a paged KV cache, for CPUs with AVX-512 or AVX2: one request's num_q query
+ * rows (the last num_q positions of its seq_len tokens, causal) over its K/V.
  *
  * q, out [num_q, heads, head_dim] fp32. Flash-style: the request's K/V of each kv head are first
- * gathered into fp32 scratch in tiles of KT keys (K transposed within a tile, [head_dim][KT], so 16
+ * gathered into fp32 scratch in tiles of KT keys (K transposed within a tile, [head_dim][KT], so VW
  * keys' scores are one vector FMA per dim; V [KT][head_dim]); then each task, one query head and QT
  * query rows, walks the key tiles its rows see in order, and for each tile and each block of ROWS
  * rows: scores in registers, an online softmax (each row's running max and sum; its output rescaled
@@ -16,18 +16,26 @@
  * and each row block skips the tiles wholly before its window) and a logit softcap c (scores ->
  * c tanh(scores / c) after the scale). 0 turns either off.
  *
- * AVX-512 only (head_dim a multiple of 16, at most 16 * MAX_CHUNKS): returns -1 where it does not
- * apply (the caller then runs SDPA), 1 if out of memory, 0 on success. */
+ * Written once on attention.h's vf vectors (VW lanes: 16 with AVX-512, 8 with AVX2; the tile and
+ * row block sized so that a block's scores stay in the registers either has). Needs one of them and
+ * head_dim a multiple of 16, at most 16 * MAX_CHUNKS: returns -1 where it does not apply (the caller
+ * then runs SDPA), 1 if out of memory, 0 on success. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 #include "attention.h"
 
-#ifdef HAVE_AVX512
-#define ROWS 4    /* query rows per register block */
+#ifdef HAVE_VF
+/* query rows per register block and keys per tile: 4 vectors of scores per row, ROWS x 4 of the
+ * block's scores in registers (32 AVX-512 registers, 16 AVX2 ones) */
+#if VW == 16
+#define ROWS 4
+#else
+#define ROWS 2
+#endif
+#define KT (4 * VW)
 #define QT 32     /* query rows per task */
-#define KT 64     /* keys per tile: 4 vectors of scores per row */
 #define VG 4      /* output vectors per row held in registers while V is summed */
 
 /* The gathered keys of a request, from position key0 on, in `tiles` tiles of KT (zeros past
@@ -58,66 +66,62 @@ static ALWAYS_INLINE void tile_rows(const int CH, const prefill_task *t, const f
                                     const float *kt, const float *vv, int64_t tile0, float *o, float *m, float *l,
                                     float *p) {
     const int64_t head_dim = 16 * CH;
-    __m512 acc[ROWS][KT / 16];
+    const int NV = 16 * CH / VW;   /* vectors per row of head_dim */
+    vf acc[ROWS][KT / VW];
     for (int r = 0; r < ROWS; r++)
-        for (int v = 0; v < KT / 16; v++) acc[r][v] = _mm512_setzero_ps();
+        for (int v = 0; v < KT / VW; v++) acc[r][v] = vf_set1(0.0f);
     for (int64_t d = 0; d < head_dim; d++) {
-        __m512 k[KT / 16];
-        for (int v = 0; v < KT / 16; v++) k[v] = _mm512_load_ps(kt + d * KT + 16 * v);
+        vf k[KT / VW];
+        for (int v = 0; v < KT / VW; v++) k[v] = vf_load(kt + d * KT + VW * v);
         for (int r = 0; r < ROWS; r++) {
-            const __m512 qd = _mm512_set1_ps(qr[r][d]);
-            for (int v = 0; v < KT / 16; v++) acc[r][v] = _mm512_fmadd_ps(qd, k[v], acc[r][v]);
+            const vf qd = vf_set1(qr[r][d]);
+            for (int v = 0; v < KT / VW; v++) acc[r][v] = vf_fmadd(qd, k[v], acc[r][v]);
         }
     }
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     float alpha[ROWS];
     for (int r = 0; r < ROWS; r++) {
-        __m512 sv[KT / 16];
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int v = 0; v < KT / 16; v++) {
-            const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int)(tile0 + 16 * v)), lanes);
-            __mmask16 seen = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int)pos[r]));
-            if (t->window > 0) seen &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32((int)(pos[r] - t->window)));
-            __m512 score = _mm512_mul_ps(acc[r][v], _mm512_set1_ps(t->scale));
-            if (t->softcap > 0.0f) score = softcap512(score, t->softcap);
-            sv[v] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), score);
-            mx = _mm512_max_ps(mx, sv[v]);
+        vf sv[KT / VW];
+        vf mx = vf_set1(-INFINITY);
+        for (int v = 0; v < KT / VW; v++) {
+            vf score = vf_mul(acc[r][v], vf_set1(t->scale));
+            if (t->softcap > 0.0f) score = vf_softcap(score, t->softcap);
+            sv[v] = vf_causal(score, tile0 + VW * v, pos[r], t->window);
+            mx = vf_max(mx, sv[v]);
         }
-        const float tile_max = _mm512_reduce_max_ps(mx);
+        const float tile_max = vf_reduce_max(mx);
         const float m_new = tile_max > m[r] ? tile_max : m[r];
         /* a row that has seen no key yet keeps max -inf: its probabilities are 0 */
-        const __m512 base = _mm512_set1_ps(m_new == -INFINITY ? 0.0f : m_new);
-        __m512 sum = _mm512_setzero_ps();
-        for (int v = 0; v < KT / 16; v++) {
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(sv[v], base));
-            _mm512_store_ps(p + r * KT + 16 * v, e);
-            sum = _mm512_add_ps(sum, e);
+        const vf base = vf_set1(m_new == -INFINITY ? 0.0f : m_new);
+        vf sum = vf_set1(0.0f);
+        for (int v = 0; v < KT / VW; v++) {
+            const vf e = vf_exp_nonpositive(vf_sub(sv[v], base));
+            vf_store(p + r * KT + VW * v, e);
+            sum = vf_add(sum, e);
         }
         alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
-        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+        l[r] = l[r] * alpha[r] + vf_reduce_add(sum);
         m[r] = m_new;
     }
     /* o[r] = alpha[r] o[r] + sum_j p[r][j] V[j], VG vectors of each row at a time */
-    for (int c0 = 0; c0 < CH; c0 += VG) {
-        const int nc = CH - c0 < VG ? CH - c0 : VG;
-        __m512 ov[ROWS][VG];
+    for (int c0 = 0; c0 < NV; c0 += VG) {
+        const int nc = NV - c0 < VG ? NV - c0 : VG;
+        vf ov[ROWS][VG];
         for (int r = 0; r < ROWS; r++)
             for (int c = 0; c < VG; c++)
-                if (c < nc) ov[r][c] = _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + 16 * (c0 + c)),
-                                                     _mm512_set1_ps(alpha[r]));
+                if (c < nc) ov[r][c] = vf_mul(vf_load(o + r * head_dim + VW * (c0 + c)), vf_set1(alpha[r]));
         for (int64_t j = 0; j < KT; j++) {
-            __m512 vr[VG];
+            vf vr[VG];
             for (int c = 0; c < VG; c++)
-                if (c < nc) vr[c] = _mm512_load_ps(vv + j * head_dim + 16 * (c0 + c));
+                if (c < nc) vr[c] = vf_load(vv + j * head_dim + VW * (c0 + c));
             for (int r = 0; r < ROWS; r++) {
-                const __m512 pj = _mm512_set1_ps(p[r * KT + j]);
+                const vf pj = vf_set1(p[r * KT + j]);
                 for (int c = 0; c < VG; c++)
-                    if (c < nc) ov[r][c] = _mm512_fmadd_ps(pj, vr[c], ov[r][c]);
+                    if (c < nc) ov[r][c] = vf_fmadd(pj, vr[c], ov[r][c]);
             }
         }
         for (int r = 0; r < ROWS; r++)
             for (int c = 0; c < VG; c++)
-                if (c < nc) _mm512_store_ps(o + r * head_dim + 16 * (c0 + c), ov[r][c]);
+                if (c < nc) vf_store(o + r * head_dim + VW * (c0 + c), ov[r][c]);
     }
 }
 
@@ -150,9 +154,8 @@ static ALWAYS_INLINE void run_prefill_task(const int CH, const prefill_task *tas
     for (int64_t r = 0; r < rows; r++) {
         const float inv = sc->l[r] > 0.0f ? 1.0f / sc->l[r] : 0.0f;
         float *dst = t.out + ((t.r0 + r) * t.heads + t.h) * head_dim;
-        for (int c = 0; c < CH; c++)
-            _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(sc->o + r * head_dim + 16 * c),
-                                                         _mm512_set1_ps(inv)));
+        for (int c = 0; c < 16 * CH / VW; c++)
+            vf_storeu(dst + VW * c, vf_mul(vf_load(sc->o + r * head_dim + VW * c), vf_set1(inv)));
     }
 }
 static ALWAYS_INLINE void run_prefill_task_any(const prefill_task *t, int64_t head_dim, const task_scratch *sc) {
@@ -255,4 +258,12 @@ int paged_prefill(const float *q, const void *k, const void *v, int kv_type, con
     if (kv_type != TM_KV_F32 && kv_type != TM_KV_BF16 && kv_type != TM_KV_I8) return -1;
     return prefill(q, k, v, table, seq_len, num_q, out, heads, kv_heads, head_dim, block_size, scale, window,
                    softcap, kv_type, num_threads);
+}
+
+int paged_prefill_available(void) {
+#ifdef HAVE_VF
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -128,8 +128,8 @@ class Attention(KernelOp):
     Backends: "torch" is the plain PyTorch reference (the oracle every faster path is tested
     against); "auto" runs the C kernels (tokenmill/kernels) on a CPU cache where they build
     (`uses_kernels`; they implement both options): single-query rows read each request's blocks in
-    place instead of gathering and padding them, prefill chunks take the C prefill kernel (AVX-512
-    builds). Everything else runs SDPA or, with a softcap, plain matmuls."""
+    place instead of gathering and padding them, prefill chunks take the C prefill kernel (AVX-512 and
+    AVX2 builds). Everything else runs SDPA or, with a softcap, plain matmuls."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None):
@@ -228,7 +228,7 @@ class Attention(KernelOp):
     def _varlen(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, requests: list[int], out: torch.Tensor) -> None:
         """Requests with several query rows (prefill chunks), each into `out`: the C prefill kernel
-        (backend auto, CPU cache, AVX-512 build), else one causal SDPA call each."""
+        (backend auto, CPU cache, AVX-512 or AVX2 build), else one causal SDPA call each."""
         starts = meta.query_start_loc
         kernel = self.uses_kernels()
         for b in requests:
@@ -236,7 +236,7 @@ class Attention(KernelOp):
             q_start, q_end = starts[b], starts[b + 1]
             num_q = q_end - q_start
             num_blocks = -(-seq_len // meta.block_size)
-            if kernel:   # the C kernel (AVX-512 builds); None: it does not apply here, SDPA below
+            if kernel:   # the C kernel (AVX-512 and AVX2 builds); None: it does not apply here, SDPA below
                 o = kernels.paged_prefill(q[q_start:q_end], k_cache, v_cache, meta.block_tables[b, :num_blocks],
                                           seq_len, self.scale, **self.kernel_options)
                 if o is not None:

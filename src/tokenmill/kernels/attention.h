@@ -150,31 +150,58 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, exp512(x));
 }
 
-/* Softmax numerators of a score row of `blocks` x 16 (lanes to ignore -inf): s = exp(s - max), in
- * place; returns their sum, and the max in *max_out unless it is NULL. */
-static inline float exp_minus_max(float *s, int64_t blocks, float *max_out) {
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t b = 0; b < blocks; b++) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + 16 * b));
-    const float max = _mm512_reduce_max_ps(mv);
-    if (max_out != NULL) *max_out = max;
-    const __m512 m = _mm512_set1_ps(max);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * b), m));
-        _mm512_storeu_ps(s + 16 * b, e);
-        total = _mm512_add_ps(total, e);
+#endif
+
+
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
+/* kv_row and its orders with 8-lane vectors: a row of CH x 16 elements as 2 CH vectors; for a
+ * bfloat16 cache each 16 elements (one 32-byte load) as two vectors, their even elements then their
+ * odd ones, as above. */
+static ALWAYS_INLINE void kv_row(const int CH, const int kv_type, const void *p, int64_t i, __m256 *out) {
+    for (int c = 0; c < 2 * CH; c++) {
+        if (kv_type == TM_KV_I8) {   /* 8 values of group c / 4 (groups of 32 = 4 vectors) */
+            const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)p + i + 8 * c));
+            out[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                                   _mm256_set1_ps(kv_group_scale(p, i, 16 * CH, c / 4)));
+        } else if (kv_type == TM_KV_BF16) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i + 8 * c));
+            out[c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+            out[c + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+            c++;
+        } else {
+            out[c] = _mm256_loadu_ps((const float *)p + i + 8 * c);
+        }
     }
-    return _mm512_reduce_add_ps(total);
+}
+
+static ALWAYS_INLINE void to_row_order(const int CH, const int kv_type, __m256 *x) {
+    if (kv_type != TM_KV_BF16) return;
+    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);   /* a vector's even, then odd elements */
+    for (int c = 0; c < 2 * CH; c += 2) {
+        const __m256 a = _mm256_permutevar8x32_ps(x[c], split), b = _mm256_permutevar8x32_ps(x[c + 1], split);
+        x[c] = _mm256_permute2f128_ps(a, b, 0x20);
+        x[c + 1] = _mm256_permute2f128_ps(a, b, 0x31);
+    }
+}
+
+static ALWAYS_INLINE void from_row_order(const int CH, const int kv_type, __m256 *x) {
+    if (kv_type != TM_KV_BF16) return;
+    for (int c = 0; c < 2 * CH; c += 2) {
+        const __m256 lo = _mm256_unpacklo_ps(x[c], x[c + 1]), hi = _mm256_unpackhi_ps(x[c], x[c + 1]);
+        x[c] = _mm256_permute2f128_ps(lo, hi, 0x20);
+        x[c + 1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+    }
 }
 #endif
 
 /* ---- vf: a float vector of VW lanes, the widest this build has (AVX-512: 16, AVX2: 8) ----
- * The few operations a kernel written once for either width needs (paged_prefill.c). */
+ * The few operations a kernel written once for either width needs (paged_prefill.c, paged_decode.c). */
 #if defined(HAVE_AVX512)
 #define HAVE_VF 1
 #define VW 16
 typedef __m512 vf;
 static inline vf vf_load(const float *p) { return _mm512_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, vf x) { _mm512_store_ps(p, x); }
 static inline void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
 static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
@@ -201,6 +228,7 @@ static inline vf vf_causal(vf s, int64_t j0, int64_t pos, int64_t window) {
 #define VW 8
 typedef __m256 vf;
 static inline vf vf_load(const float *p) { return _mm256_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vf_store(float *p, vf x) { _mm256_store_ps(p, x); }
 static inline void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
 static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
@@ -231,6 +259,36 @@ static inline vf vf_causal(vf s, int64_t j0, int64_t pos, int64_t window) {
     __m256i seen = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(pos + 1)), j);
     if (window > 0) seen = _mm256_and_si256(seen, _mm256_cmpgt_epi32(j, _mm256_set1_epi32((int)(pos - window))));
     return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(seen));
+}
+#endif
+
+
+#ifdef HAVE_VF
+/* The first n lanes of p (n may exceed VW), the others 0. */
+static inline vf vf_load_first(const float *p, int64_t n) {
+#if VW == 16
+    return _mm512_maskz_loadu_ps(n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), p);
+#else
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n >= 8 ? 8 : (int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_ps(p, live);
+#endif
+}
+
+/* Softmax numerators of a score row of `blocks` x 16 (lanes to ignore -inf): s = exp(s - max), in
+ * place; returns their sum, and the max in *max_out unless it is NULL. */
+static inline float exp_minus_max(float *s, int64_t blocks, float *max_out) {
+    vf mv = vf_set1(-INFINITY);
+    for (int64_t i = 0; i < 16 * blocks; i += VW) mv = vf_max(mv, vf_load(s + i));
+    const float max = vf_reduce_max(mv);
+    if (max_out != NULL) *max_out = max;
+    const vf m = vf_set1(max);
+    vf total = vf_set1(0.0f);
+    for (int64_t i = 0; i < 16 * blocks; i += VW) {
+        const vf e = vf_exp_nonpositive(vf_sub(vf_load(s + i), m));
+        vf_store(s + i, e);
+        total = vf_add(total, e);
+    }
+    return vf_reduce_add(total);
 }
 #endif
 

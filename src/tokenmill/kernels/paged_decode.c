@@ -10,9 +10,9 @@
  * the task starts at the block holding len - w and never reads the blocks before it) and a logit
  * softcap c (scores -> c tanh(scores / c), after the softmax scale). 0 turns either off.
  *
- * Two implementations of the same passes: AVX-512 (head_dim a multiple of 16: 16 dims per
- * instruction, a vectorized exp, the V sums in registers) and portable C loops (everything else,
- * and the tests' reference; `generic` forces it).
+ * Two implementations of the same passes: SIMD, written once on attention.h's vf vectors (AVX-512
+ * or AVX2; head_dim a multiple of 16: 16 or 8 dims per instruction, a vectorized exp, the V sums in
+ * registers) and portable C loops (everything else, and the tests' reference; `generic` forces it).
  *
  * Layouts (row-major, contiguous):
  *   q, out        [batch, heads, head_dim] fp32
@@ -121,8 +121,8 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_ta
     }
 }
 
-/* ---- AVX-512 ---- */
-#ifdef HAVE_AVX512
+/* ---- SIMD: AVX-512 or AVX2 (attention.h's vf vectors, VW lanes) ---- */
+#ifdef HAVE_VF
 
 /* Software prefetch: the blocks lie anywhere in the cache, and a task reads only its kv head's slice
  * of each token row, which the hardware prefetcher does not follow. A task asks for the blocks
@@ -154,7 +154,8 @@ static ALWAYS_INLINE void prefetch_start(const void *cache, const decode_task *t
 
 /* The 8 horizontal sums of a[0..7], in order: a transposing tree of shuffles and adds (about 3
  * instructions per sum, where a sum alone takes 8 in a dependent chain). */
-static ALWAYS_INLINE __m256 sum8(const __m512 *a) {
+static ALWAYS_INLINE __m256 sum8(const vf *a) {
+#if VW == 16
     __m512 p[4];
     for (int i = 0; i < 4; i++)   /* per 128-bit lane: a[2i][0]+a[2i][2], a[2i+1][0]+.., a[2i][1]+.., a[2i+1][1]+.. */
         p[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -166,91 +167,106 @@ static ALWAYS_INLINE __m256 sum8(const __m512 *a) {
     const __m512 t = _mm512_add_ps(r, _mm512_shuffle_f32x4(r, r, 0xb1));
     /* lane 0: a[0..3]'s sums, lane 2: a[4..7]'s */
     return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_castps512_ps128(t)), _mm512_extractf32x4_ps(t, 2), 1);
+#else
+    /* per 128-bit lane: pair sums, then each vector's lane sums: (a0 a1 a2 a3 | the same of the upper lanes) */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#endif
 }
 
+/* The first n (1 to 8) of 8 floats to p. */
+static inline void store8(float *p, __m256 x, int n) {
+#if VW == 16
+    _mm256_mask_storeu_ps(p, (__mmask8)((1u << n) - 1), x);
+#else
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), x);
+#endif
+}
+
+/* Accumulators of the V sums: 24 of AVX-512's 32 registers, 12 of AVX2's 16. */
+#define V_ACC (VW == 16 ? 24 : 12)
+
 /* A task with CH = head_dim / 16 and the cache dtype constant at the call site, every row in
- * attention.h's row order (q and the outputs permuted to it once per task):
+ * attention.h's row order (q and the outputs permuted to it once per task), a row NV vectors:
  *   scores: 8 tokens at a time, their K rows into an L1 buffer, then per query head 8 independent
  *   FMA chains (one per token) and one transposing reduction (sum8);
  *   softmax over the score rows, padded to `padded` (a multiple of 16) with -inf;
- *   V sums: heads in blocks of 24 / CH (at most 24 accumulators: independent FMA chains), the V row
- *   loaded once per block of heads.
- * scratch: the scores [group][padded], then the queries in row order [group][CH] vectors. */
-static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_type, const decode_task *task, float *scratch,
-                                             int64_t padded) {
+ *   V sums: heads in blocks of V_ACC / NV (at least one: independent FMA chains), the V row loaded
+ *   once per block of heads.
+ * scratch: the scores [group][padded], then the queries in row order [group][NV] vectors. */
+static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, const decode_task *task, float *scratch,
+                                           int64_t padded) {
     const decode_task t = *task;   /* a local copy: stores to the scores cannot alias its fields */
+    const int NV = 16 * CH / VW;
     const int64_t head_dim = 16 * CH, bs = t.block_size, n = t.len - t.first, row = kv_row_elems(head_dim, kv_type);
     const int elem = kv_elem_bytes(kv_type);
     float *scores = scratch;
-    __m512 *q = (__m512 *)(scratch + t.group * padded);
+    vf *q = (vf *)(scratch + t.group * padded);
     for (int64_t g = 0; g < t.group; g++) {
-        #pragma GCC unroll 16
-        for (int c = 0; c < CH; c++) q[g * CH + c] = _mm512_loadu_ps(t.q + g * head_dim + 16 * c);
-        to_row_order(CH, kv_type, q + g * CH);
+        #pragma GCC unroll 32
+        for (int c = 0; c < NV; c++) q[g * NV + c] = vf_loadu(t.q + g * head_dim + VW * c);
+        to_row_order(CH, kv_type, q + g * NV);
     }
-    __m512 kbuf[8 * 16];   /* 8 tokens' K rows */
-    for (int i = 0; i < 8 * CH; i++) kbuf[i] = _mm512_setzero_ps();
+    vf kbuf[8 * 32];   /* 8 tokens' K rows */
+    for (int i = 0; i < 8 * NV; i++) kbuf[i] = vf_set1(0.0f);
     const int64_t ahead = prefetch_distance(&t);
     int64_t blk = t.first / bs, slot = t.first % bs;
     prefetch_start(t.k, &t, blk, row, elem);
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         const int nk = n - i0 < 8 ? (int)(n - i0) : 8;
         for (int j = 0; j < nk; j++) {
-            kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk] * bs + slot, row), kbuf + j * CH);
+            kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk] * bs + slot, row), kbuf + j * NV);
             if (++slot == bs) {
                 slot = 0;
                 prefetch_block(t.k, &t, ++blk + ahead, row, elem);
             }
         }
         for (int64_t g = 0; g < t.group; g++) {
-            const __m512 *qg = q + g * CH;
-            __m512 acc[8];
+            const vf *qg = q + g * NV;
+            vf acc[8];
             #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) acc[j] = _mm512_mul_ps(qg[0], kbuf[j * CH]);
-            #pragma GCC unroll 16
-            for (int c = 1; c < CH; c++)
+            for (int j = 0; j < 8; j++) acc[j] = vf_mul(qg[0], kbuf[j * NV]);
+            #pragma GCC unroll 32
+            for (int c = 1; c < NV; c++)
                 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) acc[j] = _mm512_fmadd_ps(qg[c], kbuf[j * CH + c], acc[j]);
-            _mm256_mask_storeu_ps(scores + g * padded + i0, (__mmask8)((1u << nk) - 1),
-                                  _mm256_mul_ps(sum8(acc), _mm256_set1_ps(t.scale)));
+                for (int j = 0; j < 8; j++) acc[j] = vf_fmadd(qg[c], kbuf[j * NV + c], acc[j]);
+            store8(scores + g * padded + i0, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(t.scale)), nk);
         }
     }
     for (int64_t g = 0; g < t.group; g++) {
         float *sg = scores + g * padded;
         if (t.softcap > 0.0f)
-            for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-                _mm512_storeu_ps(sg + i, softcap512(_mm512_maskz_loadu_ps(live, sg + i), t.softcap));
-            }
+            for (int64_t i = 0; i < n; i += VW) vf_store(sg + i, vf_softcap(vf_load_first(sg + i, n - i), t.softcap));
         for (int64_t i = n; i < padded; i++) sg[i] = -INFINITY;
         float max;
         const float sum = exp_minus_max(sg, padded / 16, &max);
         if (t.stats != NULL) { t.stats[2 * g] = max; t.stats[2 * g + 1] = sum; }
-        const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
-        for (int64_t i = 0; i < padded; i += 16) _mm512_store_ps(sg + i, _mm512_mul_ps(_mm512_load_ps(sg + i), inv));
+        const vf inv = vf_set1(sum > 0.0f ? 1.0f / sum : 0.0f);
+        for (int64_t i = 0; i < padded; i += VW) vf_store(sg + i, vf_mul(vf_load(sg + i), inv));
     }
-    const int HB = 24 / CH;
+    const int HB = V_ACC / NV > 0 ? V_ACC / NV : 1;
     for (int64_t g0 = 0; g0 < t.group; g0 += HB) {
         const int64_t heads = t.group - g0 < HB ? t.group - g0 : HB;
-        __m512 acc[24];
+        vf acc[V_ACC > 32 ? V_ACC : 32];
         #pragma GCC unroll 24
         for (int j = 0; j < HB; j++)
-            #pragma GCC unroll 16
-            for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_setzero_ps();
+            #pragma GCC unroll 32
+            for (int c = 0; c < NV; c++) acc[j * NV + c] = vf_set1(0.0f);
         prefetch_start(t.v, &t, t.first / bs, row, elem);
         for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
             prefetch_block(t.v, &t, blk + ahead, row, elem);
             const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
                 const int64_t i = blk * bs + s - t.first;
-                __m512 vr[16];
+                vf vr[32];
                 kv_row(CH, kv_type, t.v, kv_offset(&t, base + s, row), vr);
                 #pragma GCC unroll 24
                 for (int j = 0; j < HB; j++) {
                     if (j < heads) {
-                        const __m512 p = _mm512_set1_ps(scores[(g0 + j) * padded + i]);
-                        #pragma GCC unroll 16
-                        for (int c = 0; c < CH; c++) acc[j * CH + c] = _mm512_fmadd_ps(p, vr[c], acc[j * CH + c]);
+                        const vf p = vf_set1(scores[(g0 + j) * padded + i]);
+                        #pragma GCC unroll 32
+                        for (int c = 0; c < NV; c++) acc[j * NV + c] = vf_fmadd(p, vr[c], acc[j * NV + c]);
                     }
                 }
             }
@@ -258,67 +274,67 @@ static ALWAYS_INLINE void decode_task_avx512(const int CH, const int kv_type, co
         #pragma GCC unroll 24
         for (int j = 0; j < HB; j++)
             if (j < heads) {
-                from_row_order(CH, kv_type, acc + j * CH);
-                #pragma GCC unroll 16
-                for (int c = 0; c < CH; c++) _mm512_storeu_ps(t.out + (g0 + j) * head_dim + 16 * c, acc[j * CH + c]);
+                from_row_order(CH, kv_type, acc + j * NV);
+                #pragma GCC unroll 32
+                for (int c = 0; c < NV; c++) vf_storeu(t.out + (g0 + j) * head_dim + VW * c, acc[j * NV + c]);
             }
     }
 }
 
 /* The task's code for its head_dim (a multiple of 16, at most 16 * MAX_CHUNKS). */
-static ALWAYS_INLINE void run_task_avx512(const int kv_type, const decode_task *t, float *scores, int64_t padded) {
+static ALWAYS_INLINE void run_task_simd(const int kv_type, const decode_task *t, float *scores, int64_t padded) {
     switch (t->head_dim / 16) {
-        case 1: decode_task_avx512(1, kv_type, t, scores, padded); break;
-        case 2: decode_task_avx512(2, kv_type, t, scores, padded); break;
-        case 3: decode_task_avx512(3, kv_type, t, scores, padded); break;
-        case 4: decode_task_avx512(4, kv_type, t, scores, padded); break;
-        case 5: decode_task_avx512(5, kv_type, t, scores, padded); break;
-        case 6: decode_task_avx512(6, kv_type, t, scores, padded); break;
-        case 7: decode_task_avx512(7, kv_type, t, scores, padded); break;
-        case 8: decode_task_avx512(8, kv_type, t, scores, padded); break;
-        case 9: decode_task_avx512(9, kv_type, t, scores, padded); break;
-        case 10: decode_task_avx512(10, kv_type, t, scores, padded); break;
-        case 11: decode_task_avx512(11, kv_type, t, scores, padded); break;
-        case 12: decode_task_avx512(12, kv_type, t, scores, padded); break;
-        case 13: decode_task_avx512(13, kv_type, t, scores, padded); break;
-        case 14: decode_task_avx512(14, kv_type, t, scores, padded); break;
-        case 15: decode_task_avx512(15, kv_type, t, scores, padded); break;
-        case 16: decode_task_avx512(16, kv_type, t, scores, padded); break;
+        case 1: decode_task_simd(1, kv_type, t, scores, padded); break;
+        case 2: decode_task_simd(2, kv_type, t, scores, padded); break;
+        case 3: decode_task_simd(3, kv_type, t, scores, padded); break;
+        case 4: decode_task_simd(4, kv_type, t, scores, padded); break;
+        case 5: decode_task_simd(5, kv_type, t, scores, padded); break;
+        case 6: decode_task_simd(6, kv_type, t, scores, padded); break;
+        case 7: decode_task_simd(7, kv_type, t, scores, padded); break;
+        case 8: decode_task_simd(8, kv_type, t, scores, padded); break;
+        case 9: decode_task_simd(9, kv_type, t, scores, padded); break;
+        case 10: decode_task_simd(10, kv_type, t, scores, padded); break;
+        case 11: decode_task_simd(11, kv_type, t, scores, padded); break;
+        case 12: decode_task_simd(12, kv_type, t, scores, padded); break;
+        case 13: decode_task_simd(13, kv_type, t, scores, padded); break;
+        case 14: decode_task_simd(14, kv_type, t, scores, padded); break;
+        case 15: decode_task_simd(15, kv_type, t, scores, padded); break;
+        case 16: decode_task_simd(16, kv_type, t, scores, padded); break;
         default: break;
     }
 }
 
 /* One out-of-line function per cache type, so that none's register allocation is shared with the
  * caller's loop or another type's code. */
-__attribute__((noinline)) static void run_task_avx512_f32(const decode_task *t, float *scores, int64_t padded) {
-    run_task_avx512(TM_KV_F32, t, scores, padded);
+__attribute__((noinline)) static void run_task_simd_f32(const decode_task *t, float *scores, int64_t padded) {
+    run_task_simd(TM_KV_F32, t, scores, padded);
 }
 
-__attribute__((noinline)) static void run_task_avx512_bf16(const decode_task *t, float *scores, int64_t padded) {
-    run_task_avx512(TM_KV_BF16, t, scores, padded);
+__attribute__((noinline)) static void run_task_simd_bf16(const decode_task *t, float *scores, int64_t padded) {
+    run_task_simd(TM_KV_BF16, t, scores, padded);
 }
 
-__attribute__((noinline)) static void run_task_avx512_i8(const decode_task *t, float *scores, int64_t padded) {
-    run_task_avx512(TM_KV_I8, t, scores, padded);
+__attribute__((noinline)) static void run_task_simd_i8(const decode_task *t, float *scores, int64_t padded) {
+    run_task_simd(TM_KV_I8, t, scores, padded);
 }
 #endif
 
 /* One task's attention, into t->out (and t->stats when split). Returns 1 if out of memory. */
-static int run_task(const decode_task *t, int kv_type, int use_avx512) {
+static int run_task(const decode_task *t, int kv_type, int use_simd) {
     const int64_t n = t->len - t->first;
-#ifdef HAVE_AVX512
-    if (use_avx512) {
-        const int64_t padded = (n + 15) / 16 * 16;   /* the scores, then the queries (decode_task_avx512) */
+#ifdef HAVE_VF
+    if (use_simd) {
+        const int64_t padded = (n + 15) / 16 * 16;   /* the scores, then the queries (decode_task_simd) */
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)((padded + t->head_dim) * t->group));
         if (scores == NULL) return 1;
-        if (kv_type == TM_KV_BF16) run_task_avx512_bf16(t, scores, padded);
-        else if (kv_type == TM_KV_I8) run_task_avx512_i8(t, scores, padded);
-        else run_task_avx512_f32(t, scores, padded);
+        if (kv_type == TM_KV_BF16) run_task_simd_bf16(t, scores, padded);
+        else if (kv_type == TM_KV_I8) run_task_simd_i8(t, scores, padded);
+        else run_task_simd_f32(t, scores, padded);
         free(scores);
         return 0;
     }
 #else
-    (void)use_avx512;
+    (void)use_simd;
 #endif
     float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n * t->group : 1));
     if (scores == NULL) return 1;
@@ -370,11 +386,11 @@ static void combine_runs(const decode_step *a, int64_t b, int64_t runs, const fl
 /* Every (request, kv head) task of the step in parallel, split as above when there are too few.
  * Returns 1 if out of memory. */
 static int decode(const decode_step *a, int kv_type, int generic, int num_threads) {
-#ifdef HAVE_AVX512
-    const int use_avx512 = !generic && a->head_dim % 16 == 0 && a->head_dim <= 16 * MAX_CHUNKS;
+#ifdef HAVE_VF
+    const int use_simd = !generic && a->head_dim % 16 == 0 && a->head_dim <= 16 * MAX_CHUNKS;
 #else
     (void)generic;
-    const int use_avx512 = 0;
+    const int use_simd = 0;
 #endif
     const int64_t tasks = a->batch * a->kv_heads, wanted = (int64_t)SPLIT_TASKS_PER_THREAD * num_threads;
     const int64_t max_splits = num_threads > 1 && tasks < wanted ? (wanted + tasks - 1) / tasks : 1;
@@ -414,7 +430,7 @@ static int decode(const decode_step *a, int kv_type, int generic, int num_thread
                         t.out = part + at * a->head_dim;
                         t.stats = stats + at * 2;
                     }
-                    if (run_task(&t, kv_type, use_avx512)) {
+                    if (run_task(&t, kv_type, use_simd)) {
                         #pragma omp atomic write
                         failed = 1;
                     }

@@ -851,6 +851,43 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
         assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+def test_avx2_build_attention_kernels_equal_exact_attention(monkeypatch):
+    """The attention kernels compiled for x86-64-v3 (their SIMD code on 8-lane vectors, where an
+    AVX-512 machine runs 16) == float64 attention: decode and prefill, every cache dtype (a bf16 row in
+    even/odd order per 16 values), head_dim 64 to 256 (up to 32 vectors a row), a window and a softcap.
+    On an AVX-512 machine this is the only test that runs those paths."""
+    if not all(f in kernels.cpu_flags().split() for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in kernels._FLAGS])
+    _clear_kernel_caches()
+    try:
+        assert kernels.has_prefill_kernel()
+        for dtype in KV_DTYPES:
+            for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (4, 2, 80, 4), (4, 1, 256, 16)]:
+                lens = [1, 15, 17, 100, 333]
+                q, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype)
+                scale = head_dim**-0.5
+                got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, scale)
+                expected = exact_decode(q, cache, tables, seq_lens, block_size, scale)
+                torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+                q = q.float()
+                got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, scale, sliding_window=17,
+                                           logit_softcap=1.5)
+                expected = torch_reference(heads, kv_heads, head_dim, 17, 1.5, cache)._decode(
+                    q, cache[0], cache[1], tables, seq_lens)
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+                prefills = [(333, 5, None, None), (100, 100, 17, 1.5), (64, 63, None, 30.0)]
+                for seq_len, num_q, window, softcap in prefills:
+                    b = lens.index(seq_len) if seq_len in lens else 3   # (64 of request 3's 100 tokens)
+                    q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(num_q))
+                    got = kernels.paged_prefill(q, cache[0], cache[1], tables[b], seq_len, scale,
+                                                sliding_window=window, logit_softcap=softcap)
+                    expected = exact_prefill_options(q, cache, tables[b], seq_len, block_size, scale, window, softcap)
+                    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    finally:
+        _clear_kernel_caches()
+
+
 @pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 17, 576), (3, 5, 1536), (4, 64, 64), (8, 7, 96),
                                            (2, 3, 80)])   # k = 80: not a multiple of 32, portable loops

@@ -19,12 +19,12 @@ import torch
 from engine_helpers import make_engine, prefill_logits
 from tiny_models import make_hf_model
 
+from tokenmill import kernels
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.config import EngineConfig, SpeculativeConfig
-from tokenmill.engine import speculative
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SpecState
-from tokenmill.engine.speculative import draft_length, ngram_lookup
+from tokenmill.engine.speculative import ROW_COST, ROW_COST_NO_VNNI, draft_length, ngram_lookup, row_cost
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling import SamplingParams
 
@@ -117,6 +117,25 @@ def test_draft_length_follows_the_acceptance_rate_and_the_batch():
     # the larger the batch, the dearer a row relative to a request's share of the step
     by_batch = [draft_length(SpecState(accepted=7.0, trials=10.0), 6, b) for b in (1, 4, 16, 64)]
     assert by_batch == sorted(by_batch, reverse=True) and by_batch[0] > 0 and by_batch[-1] == 0
+
+
+def test_dearer_rows_shorten_drafts_and_the_cost_follows_the_matmul_path(monkeypatch, tiny_hf_model):
+    """Where an extra row costs more (quantized weights without the VNNI matmul), a request needs
+    likelier proposals to speculate, and the engine takes the cost of its own decode path."""
+    state = SpecState(accepted=7.0, trials=10.0)
+    ks = [draft_length(state, 6, 1, c) for c in (0.05, ROW_COST, ROW_COST_NO_VNNI, 0.9)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+    assert draft_length(SpecState(accepted=3.0, trials=10.0), 6, 1, ROW_COST) > 0
+    assert draft_length(SpecState(accepted=3.0, trials=10.0), 6, 1, ROW_COST_NO_VNNI) == 0
+    cpu = torch.device("cpu")
+    for vnni in (False, True):
+        monkeypatch.setattr(kernels, "has_vnni_matmul", lambda v=vnni: v)
+        assert row_cost(cpu, quantized=True) == (ROW_COST if vnni else ROW_COST_NO_VNNI)
+        assert row_cost(cpu, quantized=False) == row_cost(torch.device("cuda"), quantized=True) == ROW_COST
+    monkeypatch.undo()
+    for quantization in ("none", "int4"):
+        eng = make_engine(tiny_hf_model("llama"), quantization=quantization, speculative_config=NGRAM)
+        assert eng.speculator.row_cost == row_cost(cpu, quantization != "none")
 
 
 def test_speculative_config_is_vllms_dict_or_its_json():
@@ -224,7 +243,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_a_poor_draft(tmp_pa
     kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=4 * batch, num_kv_blocks=batch + 10)
     eng = engine(target, {"num_speculative_tokens": 2, "disable_by_batch_size": batch}, draft, **kwargs)
     # every request speculates, however large the batch (the adaptive draft length would stop them)
-    monkeypatch.setattr(speculative, "ROW_COST", 0.0)
+    eng.speculator.row_cost = 0.0
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros(4, 4, 4)
     torch.manual_seed(0)

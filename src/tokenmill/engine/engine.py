@@ -35,7 +35,7 @@ from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.snapshot import EngineSnapshot, StepRecord, scheduled_rows, step_record, take_snapshot
-from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, Speculator
+from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, Speculator, row_cost
 from tokenmill.engine.workers import KVPlan, TPWorkers
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
@@ -127,8 +127,8 @@ class LLMEngine:
         self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
                                                    config.quantization, config.max_model_len, config.weight_cache, tp)
         mc: ModelConfig = self.model_config
-        quantized = any(isinstance(m, QuantWeight) for m in self.model.modules())
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, quantized)
+        self.quantized = any(isinstance(m, QuantWeight) for m in self.model.modules())
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, self.quantized)
         # Every rank holds the same blocks, of its own KV heads: the budget is for all of them.
         kv_heads = parallel.kv_heads_per_rank(mc.num_heads, mc.num_kv_heads, tp.size)
         layout = kv_layout(mc)
@@ -209,7 +209,8 @@ class LLMEngine:
                                  "builds it from speculative_config.model)")
         else:
             proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, self.model_config.vocab_size)
-        return Speculator(config, proposer, self.model_config.vocab_size, self.device)
+        return Speculator(config, proposer, self.model_config.vocab_size, self.device,
+                          row_cost(self.device, self.quantized))
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:

@@ -25,12 +25,13 @@ argmax, no noise) are identical to plain decoding by construction.
 Adaptive draft length: each request keeps a decayed count of its proposals accepted and verified
 (`SpecState`), an estimate of the probability a that a proposal is accepted; it takes the k that
 maximizes the expected tokens per step, (1 - a^(k+1)) / (1 - a), over its cost. A row costs
-c = ROW_COST of a batch-1 decode step on top of the weights' one read, so a step of B plain rows
-costs 1 + c (B - 1), a request's share of it c + (1 - c) / B, and k proposed rows add c k: the
-larger the batch, the more a proposal must be likely to pay (at B = 1 a > c; at B = 32, a > ~0.85
-for one row). Where no k > 0 pays, the request does not speculate, and tries one token every
-PROBE_INTERVAL steps to learn whether that changed. With more than `disable_by_batch_size`
-requests running, nobody speculates (nor spends the proposers' time).
+c of a batch-1 decode step on top of the weights' one read (`row_cost`: measured per kernel
+path), so a step of B plain rows costs 1 + c (B - 1), a request's share of it c + (1 - c) / B,
+and k proposed rows add c k: the larger the batch, the more a proposal must be likely to pay
+(at B = 1 a > c; at B = 32 with c = 0.15, a > ~0.85 for one row). Where no k > 0 pays, the
+request does not speculate, and tries one token every PROBE_INTERVAL steps to learn whether that
+changed. With more than `disable_by_batch_size` requests running, nobody speculates (nor spends
+the proposers' time).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenmill import kernels
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, SpecState
@@ -48,9 +50,12 @@ from tokenmill.sampling import Sampler, SamplingBatch
 from tokenmill.sampling.sampler import draw_noise
 
 ROW_COST = 0.15
-"""The cost of one more verified row, relative to a batch-1 decode step, on the CPU decode path
-(quantized matmuls read the weights once for all rows; see docs/ARCHITECTURE.md for the
-measurement)."""
+"""The cost of one more verified row, relative to a batch-1 decode step, where a step reads its
+weights once for all rows and the rows' arithmetic is cheap beside that: quantized weights on the
+VNNI matmul, dense weights, other devices (see docs/ARCHITECTURE.md for the measurement)."""
+ROW_COST_NO_VNNI = 0.45
+"""The same for quantized weights on a CPU whose matmul has no VNNI (the AVX2 tiles): there one row's
+integer arithmetic takes about as long as reading its weights, so each extra row adds much more."""
 DECAY = 0.8
 """Weight of a request's earlier acceptance counts at each step (recent steps count most)."""
 PROBE_INTERVAL = 16
@@ -77,13 +82,21 @@ def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]
     return ids[end + 1:end + 1 + k].tolist()
 
 
-def draft_length(state: SpecState, k_max: int, batch: int = 1) -> int:
+def row_cost(device: torch.device, quantized: bool) -> float:
+    """An extra row's cost relative to a batch-1 decode step, for the target model's decode path."""
+    if device.type == "cpu" and quantized and not kernels.has_vnni_matmul():
+        return ROW_COST_NO_VNNI
+    return ROW_COST
+
+
+def draft_length(state: SpecState, k_max: int, batch: int = 1, row_cost: float = ROW_COST) -> int:
     """The k in 0..k_max that maximizes the request's expected tokens per step over its share of
-    the step's cost, with `batch` requests running (module docstring)."""
+    the step's cost, with `batch` requests running and an extra row costing `row_cost` of a batch-1
+    step (module docstring)."""
     a = min(state.accepted / state.trials, 0.99)
     # A step of B plain rows costs 1 + c (B - 1) batch-1 steps, a request's share of it c + (1 - c) / B;
     # its k proposed rows add c k: relative to its share, c' k.
-    c = ROW_COST / (ROW_COST + (1 - ROW_COST) / batch)
+    c = row_cost / (row_cost + (1 - row_cost) / batch)
     gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + c * k) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=gains.__getitem__)
 
@@ -215,6 +228,7 @@ class Speculator:
     proposer: NgramProposer | DraftModelProposer
     vocab_size: int
     device: torch.device
+    row_cost: float = ROW_COST      # (row_cost(): the target's decode path)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     def propose(self, running: list[Request]) -> None:
@@ -227,7 +241,7 @@ class Speculator:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
                 continue   # prefilling, or computing tokens a grammar forced
             state = request.spec
-            k = draft_length(state, self.config.num_speculative_tokens, len(running))
+            k = draft_length(state, self.config.num_speculative_tokens, len(running), self.row_cost)
             if k == 0 and state.idle_steps >= PROBE_INTERVAL:
                 k = 1
             # the proposals and the target's token after them must fit in max_tokens

@@ -222,6 +222,13 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
+def has_vnni_matmul() -> bool:
+    """Does this machine's build run the quantized matmul on VNNI dot products (AVX-512 VNNI)? Elsewhere
+    it takes the AVX2 tiles or the portable loops, where an extra activation row costs more."""
+    lib = load()
+    return lib is not None and bool(lib.quant_matmul_has_simd())
+
+
 def has_prefill_kernel() -> bool:
     """Does this machine's build have paged_prefill (AVX-512 or AVX2; elsewhere prompts run SDPA)?"""
     lib = load()

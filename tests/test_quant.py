@@ -16,6 +16,8 @@ The claims, each checked below:
 
 from __future__ import annotations
 
+import importlib.util
+
 import gguf
 import numpy as np
 import pytest
@@ -360,6 +362,80 @@ def test_quality_bench_scores_in_float32_by_default(monkeypatch, tiny_gguf_model
 
     assert reference_dtype() == "torch.float32"
     assert reference_dtype(dtype="auto") == "torch.bfloat16"   # asked for: the machine's choice
+
+
+class FakeLlama:
+    """llama_cpp.Llama's surface that LlamaCppScorer uses (reset, eval, n_tokens, scores), computing
+    its logits with tokenmill's own reference scorer position by position as llama.cpp keeps them."""
+
+    def __init__(self, model_path, n_ctx, **kwargs):
+        self.inner = Scorer.load(model_path, "none", n_ctx)
+        self.n_ctx, self.n_tokens, self.scores = n_ctx, 0, None
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, ids):
+        logits = self.inner.logits(ids, self.n_tokens).numpy()
+        if self.scores is None:
+            self.scores = np.full((self.n_ctx, logits.shape[1]), np.nan, dtype=np.float32)
+        self.scores[self.n_tokens:self.n_tokens + len(ids)] = logits
+        self.n_tokens += len(ids)
+
+
+def test_quality_bench_llama_cpp_mode_scores_each_window_from_position_zero(monkeypatch, tiny_gguf_model):
+    """Mode llama.cpp through a fake llama_cpp that computes the reference's own logits: every row it
+    returns is the reference's row for the same position (KL 0, top-1 100%) across several windows,
+    so a window not started from an empty cache, or rows taken from the wrong positions, fail here."""
+    import sys
+    import types
+
+    from tokenmill.bench import peers
+    from tokenmill.bench.quality import LLAMA_CPP, LlamaCppScorer
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = FakeLlama
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: peers.PeerStatus("fake", True, "0", None, "fake"))
+    path = str(tiny_gguf_model("llama", "Q8_0"))
+    report = run_quality(path, ["auto", LLAMA_CPP], context=40, chunk_size=16,
+                         text=TEXT_PATH.read_text(encoding="utf-8")[:600])
+    rows = {r["mode"]: r for r in report["results"]}
+    assert report["predicted"] > 2 * 40   # three windows or more
+    assert rows[LLAMA_CPP]["mean_kl"] == 0 and rows[LLAMA_CPP]["top1_agreement"] == 1
+    types = [t.tensor_type.name for t in gguf.GGUFReader(path).tensors]   # (read by gguf-py, not by us)
+    assert rows[LLAMA_CPP]["weight_forms"] == {f"llama.cpp {t}": types.count(t) for t in ("F32", "Q8_0")}
+    assert rows["auto"]["mean_kl"] > 0
+    scorer = LlamaCppScorer(path, 40)
+    scorer.logits([1, 2, 3], 0)
+    with pytest.raises(ValueError, match="holds 3 positions, asked to continue at 5"):
+        scorer.logits([4], 5)
+
+
+def test_quality_bench_llama_cpp_mode_needs_the_peer_and_a_gguf(monkeypatch, tiny_hf_model):
+    from tokenmill.bench import peers
+    from tokenmill.bench.quality import LLAMA_CPP, LlamaCppScorer
+
+    monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: peers.PeerStatus("x", True, "0", None, "x"))
+    with pytest.raises(TokenmillError, match="llama.cpp reads GGUF files"):
+        LlamaCppScorer(str(tiny_hf_model("llama")), 32)
+    monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: peers.PeerStatus("x", False, None, None,
+                                                                                    "not installed: pip it"))
+    with pytest.raises(TokenmillError, match=f"--modes {LLAMA_CPP}: llama-cpp-python is not installed: pip it"):
+        LlamaCppScorer("model.gguf", 32)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("llama_cpp"), reason="llama-cpp-python is not installed "
+                    "(scripts/install-peers.sh)")
+def test_quality_bench_llama_cpp_mode_agrees_with_the_reference_on_the_same_file(tiny_gguf_model):
+    """Real llama.cpp on a tiny Q8_0 GGUF: its logits follow tokenmill's fp32 reference closely (the
+    same model, token for token), so the mode compares like with like."""
+    from tokenmill.bench.quality import LLAMA_CPP
+
+    report = run_quality(str(tiny_gguf_model("llama", "Q8_0")), [LLAMA_CPP], context=64, chunk_size=16,
+                         text=TEXT_PATH.read_text(encoding="utf-8")[:800])
+    row = report["results"][1]
+    assert row["mean_kl"] < 0.02 and row["top1_agreement"] > 0.9, row
 
 
 @pytest.mark.slow

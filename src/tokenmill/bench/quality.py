@@ -7,6 +7,10 @@ window by window, `--chunk-size` rows per step (each row's result depends on tha
 chunk size changes speed, not scores). Reported per mode: perplexity of the text, and
 against the dequantized reference ("none"): max and mean |logit difference| over every position
 and vocabulary entry, mean KL(reference || mode), and how often the top-1 token agrees.
+
+Mode "llama.cpp" scores the same token ids of the same GGUF through llama-cpp-python (a bench-only
+peer): the quality a llama.cpp user gets, on the same scale, so that "as good as llama.cpp" is a
+measurement.
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ from typing import Any
 import torch
 
 from tokenmill import hub
+from tokenmill.bench import batch1, peers
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import kv_layout
+from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.loader import checkpoint_config, weight_forms
 
-MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32", "auto-kv-int8")
+LLAMA_CPP = "llama.cpp"
+MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32", "auto-kv-int8", LLAMA_CPP)
 # auto: quantization=None (GGUF types kept quantized; on CPU with a bfloat16 KV cache); bf16: dense
 # bfloat16 (the error of plain bf16 inference); auto-kv-f32 / auto-kv-int8: auto with kv_cache_dtype
-# "float32" / "int8" (the cache's own cost, next to auto's bfloat16 one)
+# "float32" / "int8" (the cache's own cost, next to auto's bfloat16 one); llama.cpp: LlamaCppScorer
 KV_MODES = {"auto-kv-f32": "float32", "auto-kv-int8": "int8"}
 TEXT_PATH = Path(__file__).with_name("quality_text.txt")
 
@@ -89,17 +96,63 @@ class Scorer:
         hidden = self.model(torch.tensor(ids, device=self.device), torch.arange(start, end, device=self.device), meta)
         return self.model.compute_logits(hidden).float().cpu()
 
+    def describe(self) -> dict[str, Any]:
+        return {"weight_forms": weight_forms(self.model), "weights_mib": _weight_mib(self.model)}
+
+
+class LlamaCppScorer:
+    """llama.cpp scoring a GGUF: `logits` as Scorer's, from llama-cpp-python's `eval` with logits_all,
+    at llama.cpp's defaults (f16 K/V cache, no flash attention; weights repacked as in the other
+    benches, peers.llama_repack) on torch's thread count."""
+
+    def __init__(self, model_path: str, context: int):
+        status = peers.llama_cpp_python_status()
+        if not status.available:
+            raise TokenmillError(f"bench quality --modes {LLAMA_CPP}: llama-cpp-python is {status.detail}")
+        if not model_path.endswith(".gguf"):
+            raise TokenmillError(f"bench quality --modes {LLAMA_CPP}: llama.cpp reads GGUF files, not {model_path}")
+        import llama_cpp
+
+        if not peers.llama_repack():
+            batch1.turn_off_repacking()
+        start = time.perf_counter()
+        threads = torch.get_num_threads()
+        self.llm = llama_cpp.Llama(model_path, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                   logits_all=True, n_gpu_layers=0, verbose=False)
+        self.load_s = time.perf_counter() - start
+        self.path = model_path
+
+    def logits(self, ids: list[int], start: int) -> torch.Tensor:
+        if start == 0:
+            self.llm.reset()   # a new window: eval() then drops every cached position
+        elif start != self.llm.n_tokens:
+            raise ValueError(f"llama.cpp holds {self.llm.n_tokens} positions, asked to continue at {start}")
+        self.llm.eval(ids)
+        return torch.from_numpy(self.llm.scores[start:start + len(ids)].copy()).float()
+
+    def describe(self) -> dict[str, Any]:
+        """The GGUF's tensor types (llama.cpp runs each as stored) and the file's size."""
+        ckpt = open_checkpoint(self.path)
+        types: dict[str, int] = {}
+        for name in ckpt.tensor_names():
+            types[ckpt.tensor_type(name)] = types.get(ckpt.tensor_type(name), 0) + 1
+        return {"weight_forms": {f"{LLAMA_CPP} {t}": n for t, n in sorted(types.items())},
+                "weights_mib": Path(self.path).stat().st_size / 2**20}
+
 
 def run_quality(model_path: str, modes: list[str], dtype: str = "float32", context: int = 1024,
                 chunk_size: int = 32, text: str | None = None) -> dict[str, Any]:
     """Score `text` (default: the bundled text) under each mode; "none" is added as the reference."""
     modes = ["none"] + [m for m in modes if m != "none"]
-    scorers = {m: Scorer.load(model_path, m, context, dtype) for m in modes}
+    scorers: dict[str, Scorer | LlamaCppScorer] = {
+        m: LlamaCppScorer(model_path, context) if m == LLAMA_CPP else Scorer.load(model_path, m, context, dtype)
+        for m in modes}
     return compare_scorers(scorers, text if text is not None else TEXT_PATH.read_text(encoding="utf-8"),
                            context, chunk_size) | {"model": model_path}
 
 
-def compare_scorers(scorers: dict[str, Scorer], text: str, context: int, chunk_size: int) -> dict[str, Any]:
+def compare_scorers(scorers: dict[str, Scorer | LlamaCppScorer], text: str, context: int,
+                    chunk_size: int) -> dict[str, Any]:
     """The metrics of each scorer against `scorers["none"]` on `text`."""
     ref = scorers["none"]
     modes = list(scorers)
@@ -117,6 +170,9 @@ def compare_scorers(scorers: dict[str, Scorer], text: str, context: int, chunk_s
             ref_lp = torch.log_softmax(ref_logits, -1)
             for m, scorer in scorers.items():
                 logits = ref_logits if m == "none" else scorer.logits(chunk, c0)
+                if logits.shape != ref_logits.shape:
+                    raise TokenmillError(f"bench quality: mode {m} gives logits of shape {tuple(logits.shape)}, the "
+                                         f"reference {tuple(ref_logits.shape)}")
                 lp = torch.log_softmax(logits, -1)
                 s = stats[m]
                 s["nll"] -= lp.gather(1, targets[:, None]).sum().item()
@@ -130,8 +186,7 @@ def compare_scorers(scorers: dict[str, Scorer], text: str, context: int, chunk_s
     for m, scorer in scorers.items():
         s = stats[m]
         rows.append({
-            "mode": m, "weight_forms": weight_forms(scorer.model), "weights_mib": _weight_mib(scorer.model),
-            "load_s": scorer.load_s, "perplexity": math.exp(s["nll"] / predicted),
+            "mode": m, **scorer.describe(), "load_s": scorer.load_s, "perplexity": math.exp(s["nll"] / predicted),
             "max_abs_logit_err": s["max_abs"], "mean_abs_logit_err": s["sum_abs"] / predicted,
             "mean_kl": s["kl"] / predicted, "top1_agreement": s["top1"] / predicted,
         })
@@ -154,7 +209,7 @@ def print_quality(report: dict[str, Any]) -> None:
               f"{r['mean_abs_logit_err']:>14.5f}{r['mean_kl']:>10.2e}{100 * r['top1_agreement']:>12.2f}%  {forms}")
     print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized "
           "(with a bfloat16 KV cache on CPU); auto-kv-f32 / auto-kv-int8 are auto with a float32 / int8 KV cache; "
-          "bf16 is the dense model in bfloat16")
+          "bf16 is the dense model in bfloat16; llama.cpp is llama.cpp on the same file (f16 K/V cache)")
 
 
 def add_quality_args(p: argparse.ArgumentParser) -> None:

@@ -241,3 +241,5 @@ def test_stats_lines_count_speculative_decoding(tiny_hf_model, caplog, monkeypat
         s = r.engine_stats
         rate = re.search(r"Draft acceptance rate: ([\d.]+)%", r.getMessage()).group(1)
         assert float(rate) == pytest.approx(100 * s.spec_num_accepted_tokens / s.spec_num_draft_tokens, abs=0.06)
+        cost = re.search(r"Row cost: ([\d.]+)", r.getMessage()).group(1)
+        assert float(cost) == pytest.approx(s.spec_row_cost, abs=0.006) and 0 < s.spec_row_cost <= 1

@@ -24,7 +24,15 @@ from tokenmill.checkpoint import open_checkpoint
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SpecState
-from tokenmill.engine.speculative import ROW_COST, ROW_COST_NO_VNNI, draft_length, ngram_lookup, row_cost
+from tokenmill.engine.speculative import (
+    MIN_ROW_COST,
+    ROW_COST,
+    ROW_COST_NO_VNNI,
+    RowCost,
+    draft_length,
+    ngram_lookup,
+    row_cost,
+)
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling import SamplingParams
 
@@ -135,7 +143,60 @@ def test_dearer_rows_shorten_drafts_and_the_cost_follows_the_matmul_path(monkeyp
     monkeypatch.undo()
     for quantization in ("none", "int4"):
         eng = make_engine(tiny_hf_model("llama"), quantization=quantization, speculative_config=NGRAM)
-        assert eng.speculator.row_cost == row_cost(cpu, quantization != "none")
+        assert eng.speculator.cost.value == row_cost(cpu, quantization != "none")   # the prior, before any step
+
+
+def test_row_cost_is_learned_from_decode_steps():
+    """RowCost fits t = a + b rows over the steps it is shown: exact on a line, close under noise,
+    the prior until the rows vary, unmoved by one stalled step, following a machine that changes."""
+    cost = RowCost(0.45)
+    for _ in range(100):
+        cost.observe(1, 0.012)
+    assert cost.value == 0.45 and cost.line is None       # one size of step: no slope to see
+    for i in range(100):
+        cost.observe(1 + i % 7, 0.010 + 0.002 * (1 + i % 7))
+    assert cost.value == pytest.approx(0.002 / 0.012, rel=1e-6)
+    cost.observe(7, 1.0)                                   # a stall: counted as OUTLIER x the line
+    assert abs(cost.value - 0.002 / 0.012) < 0.05
+    for _ in range(300):
+        cost.observe(1, 0.012)                             # the spread fades: the last fit stays
+    assert abs(cost.value - 0.002 / 0.012) < 0.05
+    noise = torch.Generator().manual_seed(0)
+    for i in range(400):                                   # rows now cost as much as the first
+        x = 1 + i % 7
+        cost.observe(x, (0.005 + 0.005 * x) * (1 + 0.05 * (2 * torch.rand(1, generator=noise).item() - 1)))
+    assert cost.value == pytest.approx(0.5, abs=0.03)
+    flat = RowCost(0.45)
+    for i in range(100):
+        flat.observe(1 + i % 7, 0.01 - 0.0001 * (i % 7))    # faster with more rows: noise, never free
+    assert flat.value == MIN_ROW_COST
+
+
+def test_the_engine_teaches_the_row_cost_its_decode_steps_only(monkeypatch, tiny_hf_model):
+    """Every step that only decodes (with or without proposals) reaches RowCost with its rows and the
+    model's time; steps with a prompt chunk do not; the learned value is what draft lengths use."""
+    eng = make_engine(tiny_hf_model("llama"), speculative_config=NGRAM, max_num_batched_tokens=16)
+    seen, expected = [], []
+    monkeypatch.setattr(eng.speculator.cost, "observe", lambda rows, seconds: seen.append((rows, seconds)))
+    prompt = [5, 6, 7, 8] * 6   # 24 tokens: two chunks of 16, then decode steps with proposals
+    for i in range(2):
+        eng.add_request(prompt, SamplingParams(max_tokens=24 - 8 * i, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        if not eng.step():
+            continue
+        record = eng.last_step
+        if record.num_prefill_chunks == 0 and record.num_decodes:
+            expected.append((record.num_decode_tokens, record.duration))
+    assert len(seen) == len(expected) and len(expected) > 10
+    assert [rows for rows, _ in seen] == [rows for rows, _ in expected]
+    assert any(rows > 2 for rows, _ in seen)                            # proposals verified
+    assert all(0 < t <= duration for (_, t), (_, duration) in zip(seen, expected, strict=True))
+    monkeypatch.setattr(eng.speculator.cost, "value", 1.0)              # rows as dear as a step: k = 0
+    eng.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        assert eng.last_step.num_decode_tokens <= 1
+    assert eng.stats().spec_row_cost == 1.0
 
 
 def test_speculative_config_is_vllms_dict_or_its_json():
@@ -243,7 +304,8 @@ def test_sampled_outputs_follow_the_target_distribution_with_a_poor_draft(tmp_pa
     kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=4 * batch, num_kv_blocks=batch + 10)
     eng = engine(target, {"num_speculative_tokens": 2, "disable_by_batch_size": batch}, draft, **kwargs)
     # every request speculates, however large the batch (the adaptive draft length would stop them)
-    eng.speculator.row_cost = 0.0
+    eng.speculator.cost = RowCost(0.0)
+    monkeypatch.setattr(eng.speculator.cost, "observe", lambda rows, seconds: None)   # (never learns otherwise)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros(4, 4, 4)
     torch.manual_seed(0)
@@ -423,3 +485,4 @@ def test_server_speculative_config_flag_and_metrics(default_gguf_path, tmp_path)
         accepted = m['tokenmill_spec_decode_num_accepted_tokens_total{proposer="ngram"}']
         assert 0 < accepted <= drafted
         assert m['tokenmill_spec_decode_num_drafts_total{proposer="ngram"}'] > 0
+        assert 0 < m['tokenmill_spec_decode_row_cost{proposer="ngram"}'] <= 1

@@ -197,6 +197,7 @@ def _tokenmill_run(llm: Any, batch: int, workload: str, run: int, max_tokens: in
             "draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": drafts,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_per_step": accepted / drafts if drafts else None,
+            "row_cost": stats.spec_row_cost,   # the adaptive draft length's learned cost of a row, at the end
             "token_ids": [o.outputs[0].token_ids for o in outs], "load_avg_before": load}
 
 
@@ -223,13 +224,14 @@ def tokenmill_modes(args: argparse.Namespace, model: str, base: dict[str, Any], 
 
 def _summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
     def stat(key: str) -> dict[str, Any] | None:
-        values = [r[key] for r in reps if r[key] is not None]
+        values = [r[key] for r in reps if r.get(key) is not None]   # (llama-server runs have no row_cost)
         return spread_stat(values) if values else None
 
     token_ids = [r.pop("token_ids") for r in reps]
     return {"output_tok_s": stat("output_tok_s"), "decode_tok_s": stat("decode_tok_s"),
             "output_tokens": stat("output_tokens"),
             "acceptance_rate": stat("acceptance_rate"), "mean_accepted_per_step": stat("mean_accepted_per_step"),
+            "row_cost": stat("row_cost"),
             "first_run_token_ids": token_ids[0], "runs": reps}
 
 

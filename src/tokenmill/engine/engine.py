@@ -35,7 +35,7 @@ from tokenmill.engine.request import Request, check_prompt_token_ids
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.snapshot import EngineSnapshot, StepRecord, scheduled_rows, step_record, take_snapshot
-from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, Speculator, row_cost
+from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, RowCost, Speculator, row_cost
 from tokenmill.engine.workers import KVPlan, TPWorkers
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
@@ -85,6 +85,7 @@ class EngineStats:
     spec_num_drafts: int = 0           # request-steps that verified at least one proposed token
     spec_num_draft_tokens: int = 0     # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of which accepted
+    spec_row_cost: float | None = None  # the adaptive draft length's cost of a row (speculative.RowCost)
     kv_transfer_role: str | None = None   # kv_producer | kv_consumer (prefill/decode disaggregation); None: off
     kv_transfer_exports: int = 0          # requests whose prompt K/V this engine exported
     kv_transfer_loaded_tokens: int = 0    # prompt tokens whose K/V this engine received instead of computing
@@ -210,7 +211,7 @@ class LLMEngine:
         else:
             proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, self.model_config.vocab_size)
         return Speculator(config, proposer, self.model_config.vocab_size, self.device,
-                          row_cost(self.device, self.quantized))
+                          RowCost(row_cost(self.device, self.quantized)))
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -291,7 +292,10 @@ class LLMEngine:
                             if r.generator is not None and r.num_computed_tokens + n == r.num_tokens]   # samples now
         failed: list[Request] = []
         try:
+            model_start = time.perf_counter()
             results = self.runner.execute(scheduled)
+            if self.speculator is not None:
+                self.speculator.observe_step(rows, time.perf_counter() - model_start)
         except parallel.ParallelError:
             raise   # the ranks no longer run the same steps: no request can go on (see engine/workers.py)
         except Exception:
@@ -461,7 +465,7 @@ class LLMEngine:
             counts = self.speculator.stats
             spec = dict(spec_proposer=self.speculator.proposer.name, spec_num_drafts=counts.num_drafts,
                         spec_num_draft_tokens=counts.num_draft_tokens,
-                        spec_num_accepted_tokens=counts.num_accepted_tokens)
+                        spec_num_accepted_tokens=counts.num_accepted_tokens, spec_row_cost=self.speculator.cost.value)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_blocks,
                            self.pool.num_free, self.kv.prefix_queries, self.kv.prefix_hits,
                            self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, **spec,

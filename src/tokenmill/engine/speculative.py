@@ -25,8 +25,9 @@ argmax, no noise) are identical to plain decoding by construction.
 Adaptive draft length: each request keeps a decayed count of its proposals accepted and verified
 (`SpecState`), an estimate of the probability a that a proposal is accepted; it takes the k that
 maximizes the expected tokens per step, (1 - a^(k+1)) / (1 - a), over its cost. A row costs
-c of a batch-1 decode step on top of the weights' one read (`row_cost`: measured per kernel
-path), so a step of B plain rows costs 1 + c (B - 1), a request's share of it c + (1 - c) / B,
+c of a batch-1 decode step on top of the weights' one read (`RowCost`: learned from the engine's
+own decode steps, starting from `row_cost`, the value measured for its kernel path), so a step of
+B plain rows costs 1 + c (B - 1), a request's share of it c + (1 - c) / B,
 and k proposed rows add c k: the larger the batch, the more a proposal must be likely to pay
 (at B = 1 a > c; at B = 32 with c = 0.15, a > ~0.85 for one row). Where no k > 0 pays, the
 request does not speculate, and tries one token every PROBE_INTERVAL steps to learn whether that
@@ -46,6 +47,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, SpecState
 from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.snapshot import ScheduledRow
 from tokenmill.sampling import Sampler, SamplingBatch
 from tokenmill.sampling.sampler import draw_noise
 
@@ -58,6 +60,17 @@ ROW_COST_NO_VNNI = 0.45
 integer arithmetic takes about as long as reading its weights, so each extra row adds much more."""
 DECAY = 0.8
 """Weight of a request's earlier acceptance counts at each step (recent steps count most)."""
+COST_DECAY = 0.98
+"""Weight of the earlier decode steps in RowCost's fit at each new one (about the last 50 count)."""
+MIN_ROW_SPREAD = 0.5
+"""RowCost fits a line once its steps' row counts vary this much (their weighted variance): before
+that, steps of one size give no slope, and the prior stands."""
+MIN_ROW_COST = 0.02
+"""The least c RowCost reports (a slope at or below 0 is noise: a row is never free)."""
+OUTLIER = 1.5
+"""A step slower than this many times the fitted line's time counts as this many times it: one stall
+(the process descheduled, a page-fault storm) must not move the fit for the next 50 steps, while
+a lasting change still moves it, step by step."""
 PROBE_INTERVAL = 16
 """A request that stopped speculating tries one proposed token again after this many steps."""
 
@@ -87,6 +100,38 @@ def row_cost(device: torch.device, quantized: bool) -> float:
     if device.type == "cpu" and quantized and not kernels.has_vnni_matmul():
         return ROW_COST_NO_VNNI
     return ROW_COST
+
+
+class RowCost:
+    """c, an extra row's cost relative to a batch-1 decode step, learned from this engine's own steps.
+
+    Every step that only decodes (each request computing its token, after proposals or forced
+    tokens or not) gives its rows x and its seconds t; a least-squares line t = a + b x over the
+    recent steps (weights decaying by COST_DECAY per step) gives c = b / (a + b), the slope over a
+    one-row step. Speculating requests vary x themselves (1 + k rows each); until the rows seen vary
+    enough to fit a line, c is `prior` (row_cost(): measured for the decode path), and a fit that
+    no longer has the spread keeps its last value."""
+
+    def __init__(self, prior: float):
+        self.value = prior
+        self.num_steps = 0
+        self.line: tuple[float, float] | None = None   # (a, b) of the last fit
+        self._sums = np.zeros(5)   # decayed sums of 1, x, t, x^2, x t
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if self.line is not None:
+            seconds = min(seconds, OUTLIER * (self.line[0] + self.line[1] * rows))
+        self._sums = COST_DECAY * self._sums + np.array([1.0, rows, seconds, rows * rows, rows * seconds])
+        self.num_steps += 1
+        _, sx, st, sxx, sxt = (self._sums / self._sums[0]).tolist()   # weighted means
+        spread = sxx - sx * sx
+        if spread < MIN_ROW_SPREAD:
+            return
+        b = (sxt - sx * st) / spread
+        a = st - b * sx
+        if a + b > 0:
+            self.line = (a, b)
+            self.value = min(max(b / (a + b), MIN_ROW_COST), 1.0)
 
 
 def draft_length(state: SpecState, k_max: int, batch: int = 1, row_cost: float = ROW_COST) -> int:
@@ -228,8 +273,13 @@ class Speculator:
     proposer: NgramProposer | DraftModelProposer
     vocab_size: int
     device: torch.device
-    row_cost: float = ROW_COST      # (row_cost(): the target's decode path)
+    cost: RowCost = field(default_factory=lambda: RowCost(ROW_COST))   # (prior: row_cost(), the target's path)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    def observe_step(self, rows: tuple[ScheduledRow, ...], seconds: float) -> None:
+        """After a step ran the model on `rows` in `seconds`: a step that only decodes teaches the row cost."""
+        if rows and all(r.kind == "decode" for r in rows):
+            self.cost.observe(sum(r.num_tokens for r in rows), seconds)
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` (and, for sampled requests, the noise of their rows) of the running
@@ -241,7 +291,7 @@ class Speculator:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
                 continue   # prefilling, or computing tokens a grammar forced
             state = request.spec
-            k = draft_length(state, self.config.num_speculative_tokens, len(running), self.row_cost)
+            k = draft_length(state, self.config.num_speculative_tokens, len(running), self.cost.value)
             if k == 0 and state.idle_steps >= PROBE_INTERVAL:
                 k = 1
             # the proposals and the target's token after them must fit in max_tokens

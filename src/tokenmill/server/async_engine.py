@@ -118,6 +118,7 @@ class StatsInterval:
     spec_num_drafts: int = 0          # speculative decoding: request-steps that verified proposals
     spec_num_draft_tokens: int = 0    # proposed tokens verified
     spec_num_accepted_tokens: int = 0
+    spec_row_cost: float | None = None   # now
 
     @classmethod
     def between(cls, before: EngineStats, after: EngineStats, seconds: float) -> StatsInterval:
@@ -128,7 +129,7 @@ class StatsInterval:
                    after.prefix_cache_hits - before.prefix_cache_hits, after.num_preemptions - before.num_preemptions,
                    after.spec_num_drafts - before.spec_num_drafts,
                    after.spec_num_draft_tokens - before.spec_num_draft_tokens,
-                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
+                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens, after.spec_row_cost)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -145,10 +146,11 @@ class StatsInterval:
                           100 * self.prefix_cache_hit_rate, self.num_preemptions, extra={"engine_stats": self})
         if self.spec_num_draft_tokens:
             stats_logger.info("SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
-                              "Accepted: %d tokens, Drafted: %d tokens",
+                              "Accepted: %d tokens, Drafted: %d tokens, Row cost: %.2f",
                               100 * self.spec_num_accepted_tokens / self.spec_num_draft_tokens,
                               1 + self.spec_num_accepted_tokens / self.spec_num_drafts,
-                              self.spec_num_accepted_tokens, self.spec_num_draft_tokens, extra={"engine_stats": self})
+                              self.spec_num_accepted_tokens, self.spec_num_draft_tokens, self.spec_row_cost,
+                              extra={"engine_stats": self})
 
 
 @dataclass

@@ -64,6 +64,11 @@ class _EngineCollector(Collector):
                 family = CounterMetricFamily(f"tokenmill_spec_decode_{name}", help, labels=["proposer"])
                 family.add_metric([s.spec_proposer], value)
                 yield family
+            cost = GaugeMetricFamily("tokenmill_spec_decode_row_cost", "The adaptive draft length's cost of one more "
+                                     "row relative to a batch-1 decode step, learned from the engine's steps",
+                                     labels=["proposer"])
+            cost.add_metric([s.spec_proposer], s.spec_row_cost)
+            yield cost
 
 
 class ServerMetrics:

@@ -34,3 +34,36 @@ def test_bench_spec_tiny_run(default_gguf_path, tmp_path, capsys):
     rows = {(r["mode"], r["batch"]): r for r in report["table"]}
     assert rows["ngram", 1]["same_tokens"] is True and rows["ngram", 2]["same_tokens"] is True
     assert rows["ngram", 1]["speedup"] > 0 and rows["off", 1]["speedup"] is None
+
+
+def test_bench_spec_runs_the_modes_in_turn_within_each_repeat(monkeypatch):
+    """On a machine whose speed drifts, each mode's runs must meet the same drift: every mode's
+    engine is loaded first, then repeat r of every mode runs before repeat r + 1 of any."""
+    import argparse
+
+    import tokenmill
+    from tokenmill.bench import spec
+
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            self.mode = "ngram" if kwargs["speculative_config"] else "off"
+
+    def fake_run(llm, batch, workload, run, max_tokens):
+        calls.append((llm.mode, batch, workload, run))
+        return {"output_tok_s": 1.0, "decode_tok_s": 1.0, "output_tokens": 1, "acceptance_rate": None,
+                "mean_accepted_per_step": None, "row_cost": None, "token_ids": [1]}
+
+    monkeypatch.setattr(tokenmill, "LLM", FakeLLM)
+    monkeypatch.setattr(spec, "_tokenmill_run", fake_run)
+    args = argparse.Namespace(modes=["off", "ngram"], batch_sizes=[1, 4], workloads=["grounded", "free"], repeats=2,
+                              max_tokens=4, num_speculative_tokens=3, disable_by_batch_size=None,
+                              prompt_lookup_min=None)
+    report = {"tokenmill": {}}
+    spec.tokenmill_modes(args, "model.gguf", {}, report, lambda: None)
+    timed = [c for c in calls if c[3] != 9999]   # (the warm-ups)
+    assert timed == [(mode, batch, workload, spec.run_tag(workload, rep)) for batch in (1, 4)
+                     for workload in ("grounded", "free") for rep in range(2) for mode in ("off", "ngram")]
+    assert set(report["tokenmill"]["ngram"]) == {"grounded/1", "free/1", "grounded/4", "free/4"}
+    assert len(report["tokenmill"]["off"]["free/4"]["runs"]) == 2

@@ -9,9 +9,11 @@ Each prompt carries a run tag in its system message, so no run is served from an
 cache. At batch 1 the requests run one after another; at batch b, b requests (the workload's
 prompts cycled) run at once in an engine with max_num_seqs = b.
 
-Modes (one engine each): `off`; `ngram` (speculative_config {"method": "ngram",
-"num_speculative_tokens": k}); `draft` (the MODEL's GGUF run dense, `quantization none`, with the
-same GGUF run quantized as its draft: the pairing the issue names for one file) measured against
+Modes (one engine each; at each batch size every mode's engine is loaded, and within each repeat
+the modes run in turn, so that a shared machine's drift meets them alike): `off`; `ngram`
+(speculative_config {"method": "ngram", "num_speculative_tokens": k}); `draft` (the MODEL's GGUF
+run dense, `quantization none`, with the same GGUF run quantized as its draft: the pairing the
+issue names for one file) measured against
 `off-dense` (the same dense target without speculation). Greedy outputs are identical with and
 without speculation (the tests hold that), so each pair of rates is over the same tokens. Reported:
 output tokens/s, the speedup over the mode's baseline, the draft acceptance rate and the mean
@@ -203,23 +205,28 @@ def _tokenmill_run(llm: Any, batch: int, workload: str, run: int, max_tokens: in
 
 def tokenmill_modes(args: argparse.Namespace, model: str, base: dict[str, Any], report: dict[str, Any],
                     save) -> None:
+    """Every mode's engine for a batch size loaded at once, and the modes run in turn within each
+    repeat: on a shared machine whose speed drifts over minutes, each mode's runs then meet the same
+    drift (run one mode after another, a slow spell during one mode's runs moves the ratio)."""
     from tokenmill import LLM
 
-    for mode in args.modes:
-        results = report["tokenmill"].setdefault(mode, {})
-        for batch in args.batch_sizes:
+    for batch in args.batch_sizes:
+        llms = {}
+        for mode in args.modes:
             print_load(f"tokenmill {mode}: batch {batch}, loading")
-            llm = LLM(model, **{**_engine_kwargs(mode, args, model, base), "max_num_seqs": batch})
-            _tokenmill_run(llm, 1, "free", 9999, 8)   # warm-up
-            for workload in args.workloads:
-                reps = []
-                for rep in range(args.repeats):
+            llms[mode] = LLM(model, **{**_engine_kwargs(mode, args, model, base), "max_num_seqs": batch})
+            _tokenmill_run(llms[mode], 1, "free", 9999, 8)   # warm-up
+        for workload in args.workloads:
+            reps: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+            for rep in range(args.repeats):
+                for mode, llm in llms.items():
                     print_load(f"tokenmill {mode}: batch {batch}, {workload}, repeat {rep + 1}/{args.repeats}")
-                    reps.append(_tokenmill_run(llm, batch, workload, run_tag(workload, rep), args.max_tokens))
-                results[f"{workload}/{batch}"] = _summary(reps)
-                save()
-            del llm
-            gc.collect()
+                    reps[mode].append(_tokenmill_run(llm, batch, workload, run_tag(workload, rep), args.max_tokens))
+            for mode in args.modes:
+                report["tokenmill"].setdefault(mode, {})[f"{workload}/{batch}"] = _summary(reps[mode])
+            save()
+        del llms
+        gc.collect()
 
 
 def _summary(reps: list[dict[str, Any]]) -> dict[str, Any]:

@@ -403,8 +403,8 @@ def test_quality_bench_llama_cpp_mode_scores_each_window_from_position_zero(monk
     rows = {r["mode"]: r for r in report["results"]}
     assert report["predicted"] > 2 * 40   # three windows or more
     assert rows[LLAMA_CPP]["mean_kl"] == 0 and rows[LLAMA_CPP]["top1_agreement"] == 1
-    types = [t.tensor_type.name for t in gguf.GGUFReader(path).tensors]   # (read by gguf-py, not by us)
-    assert rows[LLAMA_CPP]["weight_forms"] == {f"llama.cpp {t}": types.count(t) for t in ("F32", "Q8_0")}
+    tensor_types = [t.tensor_type.name for t in gguf.GGUFReader(path).tensors]   # (read by gguf-py, not by us)
+    assert rows[LLAMA_CPP]["weight_forms"] == {f"llama.cpp {t}": tensor_types.count(t) for t in ("F32", "Q8_0")}
     assert rows["auto"]["mean_kl"] > 0
     scorer = LlamaCppScorer(path, 40)
     scorer.logits([1, 2, 3], 0)

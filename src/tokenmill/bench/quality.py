@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,7 @@ class LlamaCppScorer:
     def describe(self) -> dict[str, Any]:
         """The GGUF's tensor types (llama.cpp runs each as stored) and the file's size."""
         ckpt = open_checkpoint(self.path)
-        types: dict[str, int] = {}
-        for name in ckpt.tensor_names():
-            types[ckpt.tensor_type(name)] = types.get(ckpt.tensor_type(name), 0) + 1
+        types = Counter(ckpt.tensor_type(name) for name in ckpt.tensor_names())
         return {"weight_forms": {f"{LLAMA_CPP} {t}": n for t, n in sorted(types.items())},
                 "weights_mib": Path(self.path).stat().st_size / 2**20}
 

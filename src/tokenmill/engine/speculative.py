@@ -114,7 +114,6 @@ class RowCost:
 
     def __init__(self, prior: float):
         self.value = prior
-        self.num_steps = 0
         self.line: tuple[float, float] | None = None   # (a, b) of the last fit
         self._sums = np.zeros(5)   # decayed sums of 1, x, t, x^2, x t
 
@@ -122,7 +121,6 @@ class RowCost:
         if self.line is not None:
             seconds = min(seconds, OUTLIER * (self.line[0] + self.line[1] * rows))
         self._sums = COST_DECAY * self._sums + np.array([1.0, rows, seconds, rows * rows, rows * seconds])
-        self.num_steps += 1
         _, sx, st, sxx, sxt = (self._sums / self._sums[0]).tolist()   # weighted means
         spread = sxx - sx * sx
         if spread < MIN_ROW_SPREAD:
@@ -273,7 +271,7 @@ class Speculator:
     proposer: NgramProposer | DraftModelProposer
     vocab_size: int
     device: torch.device
-    cost: RowCost = field(default_factory=lambda: RowCost(ROW_COST))   # (prior: row_cost(), the target's path)
+    cost: RowCost                   # (its prior: row_cost(), the target's decode path)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     def observe_step(self, rows: tuple[ScheduledRow, ...], seconds: float) -> None:

@@ -490,7 +490,7 @@ def test_fused_gelu_tanh_equals_the_torch_activation(generic):
     gate, up = gate_up.chunk(2, dim=-1)
 
     def run(x, gated):
-        return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 48, 4, gated=gated,
+        return kernels.quant_matmul(x, weight.plan(), gated=gated,
                                     generic=generic)
 
     expected = run(F.gelu(gate, approximate="tanh") * up, None)
@@ -516,9 +516,8 @@ def test_portable_build_fuses_gelu_tanh(monkeypatch):
     _clear_kernel_caches()
     try:
         assert kernels.load().quant_matmul_has_simd() == 0
-        got = kernels.quant_matmul(gate_up, weight.packed, weight.scales, weight.offsets, 48, 4, gated="gelu_tanh")
-        expected = kernels.quant_matmul(F.gelu(gate, approximate="tanh") * up, weight.packed, weight.scales,
-                                        weight.offsets, 48, 4)
+        got = kernels.quant_matmul(gate_up, weight.plan(), gated="gelu_tanh")
+        expected = kernels.quant_matmul(F.gelu(gate, approximate="tanh") * up, weight.plan())
     finally:
         _clear_kernel_caches()
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
@@ -568,7 +567,7 @@ def test_fused_norm_of_the_quantized_matmul_is_rms_norm(generic):
     w = torch.rand(96, generator=g) + 0.5
 
     def run(x, norm):
-        return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 48, 8, norm=norm, generic=generic)
+        return kernels.quant_matmul(x, weight.plan(), norm=norm, generic=generic)
 
     assert torch.equal(run(x, (w, 1e-5)), run(kernels.rms_norm(x, w, 1e-5), None))
 
@@ -781,13 +780,13 @@ def test_portable_build_without_avx512(monkeypatch):
     rows, norm_weight = torch.randn(6, 100) * 7, torch.rand(100) + 0.5
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 40, 4),
+        return (kernels.quant_matmul(x, weight.plan()),
                 kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125),
                 kernels.rms_norm(rows, norm_weight, 1e-5))
 
     native = run()
     if kernels.load().quant_matmul_has_simd():
-        native_generic = kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 40, 4, generic=True)
+        native_generic = kernels.quant_matmul(x, weight.plan(), generic=True)
         assert torch.equal(native_generic, native[0])
     monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in kernels._FLAGS])
     _clear_kernel_caches()
@@ -810,7 +809,7 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     and then the kernel, to float32 rounding."""
     import torch.nn.functional as F
 
-    from tokenmill.layers.quant import QuantWeight, quantize
+    from tokenmill.layers.quant import BlockQuant, QuantWeight, quantize
 
     if not all(f in kernels.cpu_flags().split() for f in ("avx2", "fma", "f16c")):
         pytest.skip("this CPU cannot run an AVX2 build")
@@ -818,23 +817,26 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     cases = []
     for bits in (4, 8):
         for m, n, k in [(1, 17, 576), (3, 40, 96), (9, 33, 128), (6, 16, 64)]:
-            weight = QuantWeight(quantize(torch.randn(n, k, generator=g) * 3, bits), torch.float32)
+            q = quantize(torch.randn(n, k, generator=g) * 3, bits)
+            if k == 96:   # a symmetric weight (no offsets held: m = -z d in the kernel)
+                q = BlockQuant(q.u, q.d, -(2 ** (bits - 1)) * q.d, bits)
+            weight = QuantWeight(q, torch.float32)
             x, residual = torch.randn(m, 2 * k, generator=g) * 5, torch.randn(m, n, generator=g)
             norm = (torch.rand(k, generator=g) + 0.5, 1e-5)
-            cases.append((weight, n, bits, x, residual, norm))
+            cases.append((weight, x, residual, norm))
 
     def run(generic: bool = False) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         exact, gated = [], []
-        for weight, n, bits, x, residual, norm in cases:
-            args = (weight.packed, weight.scales, weight.offsets, n, bits)
+        for weight, x, residual, norm in cases:
+            plan = weight.plan()
             gate, up = x.chunk(2, dim=-1)
-            exact.append(kernels.quant_matmul(gate, *args, generic=generic))
-            exact.append(kernels.quant_matmul(up, *args, norm=norm, residual=residual, generic=generic))
-            gated.append((kernels.quant_matmul(x, *args, gated="silu", norm=norm, residual=residual, generic=generic),
-                          kernels.quant_matmul(F.silu(gate) * up, *args, norm=norm, residual=residual,
+            exact.append(kernels.quant_matmul(gate, plan, generic=generic))
+            exact.append(kernels.quant_matmul(up, plan, norm=norm, residual=residual, generic=generic))
+            gated.append((kernels.quant_matmul(x, plan, gated="silu", norm=norm, residual=residual, generic=generic),
+                          kernels.quant_matmul(F.silu(gate) * up, plan, norm=norm, residual=residual,
                                                generic=generic)))
-            gated.append((kernels.quant_matmul(x, *args, gated="gelu_tanh", generic=generic),
-                          kernels.quant_matmul(F.gelu(gate, approximate="tanh") * up, *args, generic=generic)))
+            gated.append((kernels.quant_matmul(x, plan, gated="gelu_tanh", generic=generic),
+                          kernels.quant_matmul(F.gelu(gate, approximate="tanh") * up, plan, generic=generic)))
         return exact, gated
 
     native, portable = run(), run(generic=True)

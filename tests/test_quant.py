@@ -130,7 +130,7 @@ def test_kernel_computes_its_formula(bits, rows, cols):
     x = torch.randn(21, cols)  # 21 rows: blocks of 8, 4, 2 and 1 in the SIMD path
     x[3] = 0  # an all-zero row (scale 0)
     y = weight.matmul(x)
-    generic = kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, rows, bits, generic=True)
+    generic = kernels.quant_matmul(x, weight.plan(), generic=True)
     if kernels.load().quant_matmul_has_simd():
         assert torch.equal(y, generic)  # exact integer sums, the same float operations in the same order
     qx, dx, sums = quantize_activations(x)
@@ -160,7 +160,7 @@ def test_fused_input_ops_equal_the_layers_they_stand_for(generic):
     residual = torch.randn(7, 100)
 
     def run(x, **kw):
-        return kernels.quant_matmul(x, weight.packed, weight.scales, weight.offsets, 100, 4, generic=generic, **kw)
+        return kernels.quant_matmul(x, weight.plan(), generic=generic, **kw)
 
     h = norm(silu_and_mul(gate_up))
     assert_close_rel(run(gate_up, gated="silu", norm=(norm.weight, 1e-5), residual=residual),
@@ -214,6 +214,53 @@ def test_group_quantization_error_is_half_a_step(bits):
     # half a step, plus the fp16 rounding of scale and offset (values are chosen against them)
     assert (abs_err.amax(-1) <= 0.5 * step * 1.01 + groups.abs().amax(-1) * 2**-10).all()
     assert abs_err.mean() < 0.3 * step.mean()  # rounding to nearest: ~step / 4 on average
+
+
+@pytest.mark.parametrize(("qtype", "zero"), [("Q4_0", 8), ("Q5_0", 16), ("Q8_0", 128), ("Q4_1", None),
+                                           ("Q5_1", None), ("Q4_K", None)])
+def test_symmetric_types_are_held_without_offsets(qtype, zero):
+    """Q4_0 / Q5_0 / Q8_0 blocks (every offset -z d) keep scales only, and read back exactly; the
+    asymmetric types keep their offsets."""
+    blocks = random_blocks(qtype, 40, 256, 3)
+    weight = QuantWeight(gguf_to_blocks(blocks), torch.float32)
+    assert weight.zero == zero and (weight.offsets is None) == (zero is not None)
+    held = {name for name, _ in weight.named_parameters()}
+    assert held == ({"packed", "scales"} if zero is not None else {"packed", "scales", "offsets"})
+    tol = 2**-10 if qtype.endswith("_K") else 0.0
+    assert_close_rel(weight.dequantize(), blocks.dequantize(), tol)
+
+
+def symmetric_and_stored(bits: int, rows: int, cols: int, seed: int) -> tuple[QuantWeight, QuantWeight]:
+    """One weight with every m = -2^(bits-1) d, twice: symmetric (no offsets) and with its offsets
+    stored (the same packed values and scales)."""
+    q = random_block_quant(rows, cols, bits, seed)
+    q = BlockQuant(q.u, q.d, -(2 ** (bits - 1)) * q.d, bits)
+    symmetric = QuantWeight(q, torch.float32)
+    assert symmetric.zero == 2 ** (bits - 1) and symmetric.offsets is None
+    offsets = (-symmetric.zero * symmetric.scales.float()).to(torch.float16)
+    stored = QuantWeight.from_packed(symmetric.packed.data, symmetric.scales.data, offsets, None, rows, cols, bits,
+                                     torch.float32)
+    return symmetric, stored
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("generic", [False, True])
+def test_symmetric_weight_computes_the_bits_of_its_stored_offsets(bits, generic):
+    """The kernels' m = -z d (formed from d) == the stored fp16 offsets, bit for bit: every row run
+    (8, 4, 2, 1 rows), a partial last tile, the fused gate, norm and residual, and row reads."""
+    symmetric, stored = symmetric_and_stored(bits, 40, 96, seed=bits)
+    x, gate_up, residual = torch.randn(21, 96) * 3, torch.randn(21, 192) * 3, torch.randn(21, 40)
+    norm = (torch.rand(96) + 0.5, 1e-5)
+    for rows in (1, 2, 3, 7, 21):
+        for kw in ({}, {"norm": norm, "residual": residual[:rows]}):
+            got = kernels.quant_matmul(x[:rows], symmetric.plan(), generic=generic, **kw)
+            assert torch.equal(got, kernels.quant_matmul(x[:rows], stored.plan(), generic=generic, **kw))
+    got = kernels.quant_matmul(gate_up, symmetric.plan(), gated="silu", generic=generic)
+    assert torch.equal(got, kernels.quant_matmul(gate_up, stored.plan(), gated="silu", generic=generic))
+    assert torch.equal(symmetric.dequantize(), stored.dequantize())
+    assert_close_rel(symmetric.matmul(x), x @ stored.dequantize().T, 1e-3)
+    assert sum(p.numel() * p.element_size() for p in symmetric.parameters()) < \
+        sum(p.numel() * p.element_size() for p in stored.parameters())
 
 
 # ------------------------------------------------------------------ shards, permutation, forms

@@ -60,6 +60,20 @@ def test_the_second_load_reads_what_the_first_converted(default_gguf_path, cache
     assert generate(second) == generate(reference)
 
 
+def test_symmetric_weights_come_back_without_offsets(tiny_gguf_model, cache, conversions, monkeypatch):
+    """A Q8_0 file's weights are held without offsets (zero point 128); the cache keeps them so."""
+    monkeypatch.setattr(weight_cache, "MIN_CACHED_BYTES", 0)
+    path = str(tiny_gguf_model("llama", "Q8_0"))
+    first, second = LLM(path, num_kv_blocks=64), LLM(path, num_kv_blocks=64)
+    assert len(conversions) == 1 and len(entries(cache)) == 1
+    held = [m.qweight for m in second.engine.model.modules() if getattr(m, "qweight", None) is not None]
+    assert held and all(q.zero == 128 and q.offsets is None for q in held)
+    a, b = tensors(first), tensors(second)
+    assert a.keys() == b.keys() and not any(name.endswith(".offsets") for name in a)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert generate(first) == generate(second)
+
+
 def test_a_torn_entry_is_discarded_and_written_anew(default_gguf_path, cache, conversions, caplog):
     reference = generate(LLM(str(default_gguf_path)))
     [entry] = entries(cache)

@@ -123,9 +123,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_prefill.argtypes = [ptr, ptr, ptr, i32, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
     lib.paged_prefill.restype = i32
     lib.paged_prefill_available.restype = i32
-    lib.quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, ptr, f32, ptr, ptr, i32, i32]
+    lib.quant_matmul.argtypes = [ptr, i64, ptr, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.quant_matmul.restype = i32
-    lib.quant_rows.argtypes = [ptr, ptr, ptr, i64, i32, ptr, i64, ptr]
+    lib.quant_rows.argtypes = [ptr, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = i32
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, f32, ptr, ptr, i32, i32]
@@ -289,26 +289,25 @@ def gate_code(gated: str | None) -> int:
     return GATES[gated]
 
 
-def quant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 out_features: int, bits: int, gated: str | None = None,
+def quant_matmul(x: torch.Tensor, weight: WeightPlan, gated: str | None = None,
                  norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
                  generic: bool = False) -> torch.Tensor:
-    """fp32 [M, N] = f(x) @ W^T (+ residual), W packed by layers/quant.py; activations quantized inside.
+    """fp32 [M, N] = f(x) @ W^T (+ residual), W packed by layers/quant.py (`weight`: its plan, whose
+    tensors the caller keeps alive); activations quantized inside.
 
     f, fused into the activation pass: `gated` (x [M, 2K] = [gate | up] -> act(gate) * up, act "silu"
     or "gelu_tanh", GELU's tanh approximation), then
     `norm` = (weight [K], eps): RMSNorm. `generic` runs the portable C path (the tests' reference)."""
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], out_features)
+    y = torch.empty(x.shape[0], weight.out_features)
     norm_w, eps = (norm[0].float().contiguous(), norm[1]) if norm is not None else (None, 0.0)
     if residual is not None:
         residual = residual.float().contiguous()
         assert residual.shape == y.shape
-    k = x.shape[1] // 2 if gated else x.shape[1]
-    if load().quant_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                           out_features, bits, gate_code(gated), None if norm_w is None else norm_w.data_ptr(), eps,
-                           None if residual is None else residual.data_ptr(), y.data_ptr(), int(generic),
-                           torch.get_num_threads()):
+    if x.shape[1] != weight.in_features * (2 if gated else 1):
+        raise ValueError(f"x has {x.shape[1]} columns for a weight of {weight.in_features} inputs (gated: {gated})")
+    if load().quant_matmul(x.data_ptr(), x.shape[0], ctypes.byref(weight), gate_code(gated), pointer(norm_w), eps,
+                           pointer(residual), y.data_ptr(), int(generic), torch.get_num_threads()):
         raise MemoryError("quantized matmul: out of memory for the activation buffer")
     return y
 
@@ -343,13 +342,11 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, generic: bool = False, ga
     return y.view(*x.shape[:-1], n)
 
 
-def quant_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, in_features: int, bits: int,
-               ids: torch.Tensor) -> torch.Tensor:
-    """fp32 [len(ids), K]: rows `ids` of the packed W, dequantized."""
+def quant_rows(weight: WeightPlan, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(ids), K]: rows `ids` of the packed W (`weight`: its plan), dequantized."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(ids.numel(), in_features)
-    load().quant_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), in_features, bits,
-                      ids.data_ptr(), ids.numel(), out.data_ptr())
+    out = torch.empty(ids.numel(), weight.in_features)
+    load().quant_rows(ctypes.byref(weight), ids.data_ptr(), ids.numel(), out.data_ptr())
     return out
 
 
@@ -362,7 +359,8 @@ DENSE_BITS = 16   # kernels.h tm_weight: `bits` of a dense bfloat16 weight
 
 class WeightPlan(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64)]
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64),
+                ("zero", ctypes.c_int64)]
 
 
 class AttentionPlan(ctypes.Structure):

@@ -18,16 +18,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* A [out_features, in_features] weight of a plan (plan_matmul runs it): packed by layers/quant.py for
+/* A [out_features, in_features] weight (plan_matmul runs it): packed by layers/quant.py for
  * quant_matmul (bits 4 or 8: layout there), or dense bfloat16, row-major (bits 16: `packed` holds it,
- * no scales or offsets; bf16_matmul). */
+ * no scales or offsets; bf16_matmul). A quantized weight whose every offset is -zero * its scale (a
+ * symmetric type: Q4_0 zero 8, Q5_0 16, Q8_0 128) stores no offsets: offsets NULL, m = -zero d. */
 typedef struct {
     const uint8_t *packed;
     const uint16_t *scales;     /* fp16, or NULL (bits 16) */
-    const uint16_t *offsets;    /* fp16, or NULL (bits 16) */
+    const uint16_t *offsets;    /* fp16, or NULL (bits 16, or symmetric) */
     int64_t out_features;
     int64_t in_features;
     int64_t bits;               /* 4 or 8 (quantized), 16 (dense bfloat16) */
+    int64_t zero;               /* with offsets NULL and bits 4 or 8: m = -zero d; else unused */
 } tm_weight;
 
 /* K/V cache element types. A float32 or bfloat16 row of a (token, kv head) is its head_dim values. An
@@ -139,10 +141,10 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
 int sparse_moe(const tm_moe_plan *plan, const float *x, int64_t rows, const float *residual, float *out,
                int num_threads);
 
-/* y [mrows, n] = f(x) W^T (+ residual) for a weight packed by layers/quant.py (quant_matmul.c); f: the
- * `gated` activation (TM_GATE_*), then an RMSNorm with weight norm_w (or NULL). */
-int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
-                 const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
+/* y [mrows, n] = f(x) W^T (+ residual) for a quantized weight w [n, k] (bits 4 or 8; quant_matmul.c);
+ * f: the `gated` activation (TM_GATE_*), then an RMSNorm with weight norm_w (or NULL). generic: force
+ * the portable C loops. Returns 1 if out of memory. */
+int quant_matmul(const float *x, int64_t mrows, const tm_weight *w, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads);
 /* 1 where quant_matmul has its VNNI path (AVX-512 builds); 0 where it runs the AVX2 path (x86-64-v3
  * builds) or the portable loops. */
@@ -160,12 +162,11 @@ static inline int plan_matmul(const tm_weight *w, const float *x, int64_t rows, 
     if (w->bits == 16)
         return bf16_matmul(x, rows, w->in_features, (const uint16_t *)w->packed, w->out_features, gated, norm_w, eps,
                            residual, y, 0, num_threads);
-    return quant_matmul(x, rows, w->in_features, w->packed, w->scales, w->offsets, w->out_features, (int)w->bits,
-                        gated, norm_w, eps, residual, y, 0, num_threads);
+    return quant_matmul(x, rows, w, gated, norm_w, eps, residual, y, 0, num_threads);
 }
 
-void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
-                const int64_t *ids, int64_t count, float *out);
+/* out [count, in_features] fp32: rows `ids` of a quantized weight, dequantized (quant_matmul.c). */
+void quant_rows(const tm_weight *w, const int64_t *ids, int64_t count, float *out);
 
 /* RMSNorm of each row of x [rows, n] with weight w [n] into out (norm.h; out may be x): the one RMSNorm
  * of every kernel here. generic: force the portable sum (the same bits). */

@@ -3,7 +3,10 @@
  * Weights: unsigned values u (4 or 8 bits) in groups of 32 inputs, each group of each row with its
  * own scale d and offset m (fp16): W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32. This holds
  * GGUF's Q4_0/Q4_1/Q4_K (4 bits), Q5_0/Q5_1/Q5_K/Q8_0 (8 bits, e.g. Q8_0: u = q + 128, m = -128 d) and any
- * other weight requantized to 8 bits per group.
+ * other weight requantized to 8 bits per group. A symmetric weight (every m = -z d for one integer z:
+ * Q4_0, Q5_0, Q8_0) stores no m: the kernels form -z d from d (exact in fp32: an fp16 value times an
+ * integer below 2^8), so its results are the bits of the same weight with m stored, from 1/10 fewer
+ * bytes at 4 bits (decode reads every weight byte once per step).
  *
  * Activations: each row's group of 32 is split on entry into two int8 planes (quantize_row):
  * x[k] ~ dx[g] (254 hi[k] + lo[k]), where hi is the plain int8 rounding that llama.cpp uses and lo
@@ -17,7 +20,7 @@
  * Layout (`pack` in layers/quant.py): rows in tiles of 16. For tile t and group g:
  *   8 bits: 8 vectors of 64 bytes; vector c, byte 4r + i = u[16t + r, 32g + 4c + i]
  *   4 bits: 4 vectors of 64 bytes; vector j, byte 4r + i = u[.., 32g + 4j + i] | u[.., 32g + 16 + 4j + i] << 4
- *   d, m:   [tiles, groups, 16] fp16
+ *   d, m:   [tiles, groups, 16] fp16 (m absent for a symmetric weight)
  * so one VNNI instruction takes 4 inputs of 16 rows against 4 activation bytes broadcast to all
  * lanes, and lane r accumulates row r: no horizontal sums.
  */
@@ -141,10 +144,16 @@ static inline int weight_u(const uint8_t *tg, int bits, int r, int k) {
     return c < 4 ? b & 15 : b >> 4;
 }
 
+/* Offset m of (tile-group row) sg: stored, or -zero d (exact). */
+static inline float group_offset(const uint16_t *d, const uint16_t *m, float zero, int64_t sg) {
+    return m != NULL ? f16_to_f32(m[sg]) : -zero * f16_to_f32(d[sg]);
+}
+
 /* What every tile of one quant_matmul call shares. */
 typedef struct {
     const uint8_t *w;
-    const uint16_t *d, *m;
+    const uint16_t *d, *m;          /* m NULL: symmetric, m = -zero d */
+    float zero;
     int bits;
     int64_t groups, k, n;           /* n: outputs, the row stride of y and residual */
     const int8_t *q;                /* per activation row: its hi plane [k], then its lo plane [k] */
@@ -171,7 +180,7 @@ static void tile_generic(const tile_job *job, int64_t t, int64_t i0, int64_t mb,
                 const int64_t sg = (t * groups + g) * TILE + r;
                 const float s = fmaf((float)sh, 254.0f, (float)sl);
                 acc[r] = fmaf(s, f16_to_f32(job->d[sg]) * job->dx[i * groups + g], acc[r]);
-                acc[r] = fmaf(f16_to_f32(job->m[sg]), job->bx[i * groups + g], acc[r]);
+                acc[r] = fmaf(group_offset(job->d, job->m, job->zero, sg), job->bx[i * groups + g], acc[r]);
             }
         }
         const int64_t at = i * job->n + t * TILE;
@@ -230,7 +239,8 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t
         }
         const int64_t sg = (t * groups + g) * TILE;
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->d + sg)));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)));
+        const __m512 mv = job->m != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)))
+                                         : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
         const int8_t *qg = job->q + i0 * 2 * k + g * GROUP;
         const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
         acc0 = row_group(acc0, u, qg, k, dv, mv, dxg[0], bxg[0]);
@@ -323,7 +333,8 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
             }
             const int64_t sg = (t * groups + g) * TILE + 8 * h;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg)));
-            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)));
+            const __m256 mv = job->m != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)))
+                                             : _mm256_mul_ps(dv, _mm256_set1_ps(-job->zero));
             for (int r = 0; r < MB; r++) {
                 const int64_t at = (i0 + r) * groups + g;
                 const __m256 s = _mm256_cvtepi32_ps(_mm256_hadd_epi32(A[r], B[r]));   /* rows 0..7 in order */
@@ -355,9 +366,10 @@ __attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_
  * prepare_row (x is [M, 2K] when gated, else [M, K]; gated is a TM_GATE_*). K is a multiple of 32; W has ceil(N / 16)
  * tiles. generic = 1 forces the portable path (the reference the tests hold the SIMD path to).
  * Returns 1 if out of memory. */
-int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, const uint16_t *d,
-                 const uint16_t *m, int64_t n, int bits, int gated, const float *norm_w, float eps,
+int quant_matmul(const float *x, int64_t mrows, const tm_weight *weight, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads) {
+    const int64_t k = weight->in_features, n = weight->out_features;
+    const int bits = (int)weight->bits;
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
     const int fused = gated || norm_w != NULL;
     int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
@@ -372,7 +384,8 @@ int quant_matmul(const float *x, int64_t mrows, int64_t k, const uint8_t *w, con
     #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
     {
         /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
-        const tile_job job = {w, d, m, bits, groups, k, n, q, dx, bx, x16, residual, y};
+        const tile_job job = {weight->packed, weight->scales, weight->offsets, (float)weight->zero, bits, groups, k, n,
+                              q, dx, bx, x16, residual, y};
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < mrows; i++) {
             const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0), generic);
@@ -420,16 +433,18 @@ int quant_matmul_has_simd(void) {
 }
 
 /* out [len(ids), K] fp32: rows `ids` of W, dequantized (embedding lookups, exact logits). */
-void quant_rows(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t k, int bits,
-                const int64_t *ids, int64_t count, float *out) {
-    const int64_t groups = k / GROUP, gbytes = bits * GROUP * TILE / 8;
+void quant_rows(const tm_weight *weight, const int64_t *ids, int64_t count, float *out) {
+    const uint8_t *w = weight->packed;
+    const uint16_t *d = weight->scales;
+    const int64_t k = weight->in_features, groups = k / GROUP;
+    const int bits = (int)weight->bits, gbytes = bits * GROUP * TILE / 8;
     for (int64_t i = 0; i < count; i++) {
         const int64_t t = ids[i] / TILE;
         const int r = (int)(ids[i] % TILE);
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *tg = w + (t * groups + g) * gbytes;
             const int64_t sg = (t * groups + g) * TILE + r;
-            const float scale = f16_to_f32(d[sg]), offset = f16_to_f32(m[sg]);
+            const float scale = f16_to_f32(d[sg]), offset = group_offset(d, weight->offsets, (float)weight->zero, sg);
             for (int kk = 0; kk < GROUP; kk++)
                 out[i * k + g * GROUP + kk] = fmaf(scale, (float)weight_u(tg, bits, r, kk), offset);
         }

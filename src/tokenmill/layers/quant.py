@@ -7,7 +7,8 @@ each group of each output row with its own scale d and offset m,
 
 GGUF Q4_0/Q4_1/Q4_K blocks are exactly this with 4 bits, Q5_0/Q5_1/Q5_K/Q8_0 with 8 bits (see
 layers/gguf_quant.py); other GGUF types and dense checkpoints (`quantization="int8"|"int4"`) are
-quantized to it at load (`quantize`).
+quantized to it at load (`quantize`). A symmetric weight, every m = -z d for one integer z (Q4_0: 8,
+Q5_0: 16, Q8_0: 128), is held without its offsets (`zero_point`): the kernels form m from d, exactly.
 
 The kernel splits each row of activations, per group of 32, into two int8 planes (x ~ dx (254 hi +
 lo): 16-bit precision; plain int8 as in llama.cpp cost SmolLM2 a mean KL of 2.8e-2, the two planes
@@ -74,6 +75,17 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.float().to(torch.float16).float()
 
 
+def zero_point(q: BlockQuant) -> int | None:
+    """z where every offset is exactly -z times its scale (z an integer in [0, 2^bits)), else None."""
+    nonzero = q.d != 0
+    if not bool(nonzero.any()):
+        return 0 if not bool(q.m.any()) else None
+    z = -float(q.m[nonzero][0] / q.d[nonzero][0])
+    if not (z.is_integer() and 0 <= z < 2**q.bits):
+        return None
+    return int(z) if torch.equal(q.m, -z * q.d) else None
+
+
 def quantize(w: torch.Tensor, bits: int) -> BlockQuant:
     """Asymmetric `bits`-bit quantization per group of 32 inputs (K must be a multiple of 32).
 
@@ -92,7 +104,8 @@ def quantize(w: torch.Tensor, bits: int) -> BlockQuant:
 
 
 class QuantWeight(nn.Module):
-    """A [N, K] weight packed for kernels/quant_matmul.c (its layout is described there)."""
+    """A [N, K] weight packed for kernels/quant_matmul.c (its layout is described there); `offsets` is
+    None for a symmetric weight, whose offsets are -zero * scales."""
 
     def __init__(self, q: BlockQuant, dtype: torch.dtype):
         super().__init__()
@@ -112,40 +125,47 @@ class QuantWeight(nn.Module):
             packed = v[..., 0] | (v[..., 1] << 4)
         scales, offsets = (t.view(tiles, TILE_ROWS, groups).transpose(1, 2).to(torch.float16).contiguous()
                            for t in (d, m))
-        self._hold(packed.contiguous().view(-1), scales, offsets, n, k, q.bits, dtype)
+        zero = zero_point(q)
+        self._hold(packed.contiguous().view(-1), scales, offsets if zero is None else None, zero, n, k, q.bits,
+                   dtype)
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
-                    in_features: int, bits: int, dtype: torch.dtype) -> QuantWeight:
-        """A weight packed before (its `packed`, `scales`, `offsets` saved: models/weight_cache.py)."""
+    def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                    zero: int | None, out_features: int, in_features: int, bits: int,
+                    dtype: torch.dtype) -> QuantWeight:
+        """A weight packed before (its `packed`, `scales`, `offsets` or `zero` saved: models/weight_cache.py)."""
         weight = cls.__new__(cls)
         nn.Module.__init__(weight)
-        weight._hold(packed, scales, offsets, out_features, in_features, bits, dtype)
+        weight._hold(packed, scales, offsets, zero, out_features, in_features, bits, dtype)
         return weight
 
-    def _hold(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
-              in_features: int, bits: int, dtype: torch.dtype) -> None:
+    def _hold(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, zero: int | None,
+              out_features: int, in_features: int, bits: int, dtype: torch.dtype) -> None:
+        if (offsets is None) == (zero is None):
+            raise ValueError("a quantized weight has either offsets or a zero point")
         tiles, groups = -(-out_features // TILE_ROWS), in_features // GROUP_SIZE
-        expected = ((torch.uint8, (tiles * TILE_ROWS * in_features * bits // 8,)),
-                    (torch.float16, (tiles, groups, TILE_ROWS)), (torch.float16, (tiles, groups, TILE_ROWS)))
-        for what, t, (want_dtype, want_shape) in zip(("packed", "scales", "offsets"), (packed, scales, offsets),
-                                                     expected, strict=True):
-            if t.dtype != want_dtype or tuple(t.shape) != want_shape:
+        expected = {"packed": (packed, torch.uint8, (tiles * TILE_ROWS * in_features * bits // 8,)),
+                    "scales": (scales, torch.float16, (tiles, groups, TILE_ROWS)),
+                    "offsets": (offsets, torch.float16, (tiles, groups, TILE_ROWS))}
+        for what, (t, want_dtype, want_shape) in expected.items():
+            if t is not None and (t.dtype != want_dtype or tuple(t.shape) != want_shape):
                 raise ValueError(f"{what}: {tuple(t.shape)} {t.dtype}, expected {want_shape} {want_dtype} for a "
                                  f"[{out_features}, {in_features}] {bits}-bit weight")
         self.dtype, self.bits, self.out_features, self.in_features = dtype, bits, out_features, in_features
-        self.packed, self.scales, self.offsets = (nn.Parameter(t, requires_grad=False)
-                                                  for t in (packed, scales, offsets))
+        self.zero = zero
+        self.packed, self.scales = (nn.Parameter(t, requires_grad=False) for t in (packed, scales))
+        self.offsets = None if offsets is None else nn.Parameter(offsets, requires_grad=False)
 
     def extra_repr(self) -> str:
-        return f"out={self.out_features}, in={self.in_features}, bits={self.bits}"
+        zero = "" if self.zero is None else f", zero={self.zero}"
+        return f"out={self.out_features}, in={self.in_features}, bits={self.bits}{zero}"
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup), [*ids.shape, K] in `dtype` (default: the
         compute dtype)."""
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.out_features):
             raise IndexError(f"row index out of range for a weight of {self.out_features} rows")
-        out = kernels.quant_rows(self.packed, self.scales, self.offsets, self.in_features, self.bits, ids)
+        out = kernels.quant_rows(self.plan(), ids)
         return out.view(*ids.shape, self.in_features).to(dtype or self.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -154,12 +174,12 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """float32 x2 @ W^T."""
-        return kernels.quant_matmul(x2, self.packed, self.scales, self.offsets, self.out_features, self.bits)
+        return kernels.quant_matmul(x2, self.plan())
 
     def plan(self) -> kernels.WeightPlan:
         """This weight as kernels.h's tm_weight (the caller keeps self alive)."""
-        return kernels.WeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
-                                       self.out_features, self.in_features, self.bits)
+        return kernels.WeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), kernels.pointer(self.offsets),
+                                  self.out_features, self.in_features, self.bits, self.zero or 0)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,
                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,8 +187,7 @@ class QuantWeight(nn.Module):
         activation pass (float32 inside, the result in x's dtype)."""
         rows = x.reshape(-1, x.shape[-1])
         res = None if residual is None else residual.reshape(-1, self.out_features)
-        y = kernels.quant_matmul(rows, self.packed, self.scales, self.offsets, self.out_features, self.bits,
-                                 gated, norm, res).to(x.dtype)
+        y = kernels.quant_matmul(rows, self.plan(), gated, norm, res).to(x.dtype)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -37,9 +37,9 @@ from tokenmill.layers.quant import QuantWeight
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FORMAT = 1
+WEIGHT_FORMAT = 2
 MIN_CACHED_BYTES = 16 << 20
-QUANTIZED_KEY = "tokenmill.quantized"   # safetensors metadata: {module path: [out, in, bits]}
+QUANTIZED_KEY = "tokenmill.quantized"   # safetensors metadata: {module path: [out, in, bits, zero point]}
 
 
 def cache_dir() -> Path:
@@ -76,10 +76,11 @@ def load(model: nn.Module, entry: Path, dtype: torch.dtype) -> bool:
             quantized = json.loads(f.metadata()[QUANTIZED_KEY])
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         modules = dict(model.named_modules())
-        for name, (out_features, in_features, bits) in quantized.items():
+        for name, (out_features, in_features, bits, zero) in quantized.items():
             prefix = f"{name}.qweight."
+            offsets = None if zero is not None else tensors[prefix + "offsets"]
             modules[name].set_quantized(QuantWeight.from_packed(
-                tensors[prefix + "packed"], tensors[prefix + "scales"], tensors[prefix + "offsets"],
+                tensors[prefix + "packed"], tensors[prefix + "scales"], offsets, zero,
                 out_features, in_features, bits, dtype))
         params = dict(model.named_parameters())
         if set(params) != set(tensors):
@@ -103,7 +104,7 @@ def save(model: nn.Module, entry: Path) -> None:
     tensors = {name: p.data.contiguous() for name, p in model.named_parameters()}
     if sum(t.numel() * t.element_size() for t in tensors.values()) < MIN_CACHED_BYTES:
         return
-    metadata = {QUANTIZED_KEY: json.dumps({name: [q.out_features, q.in_features, q.bits]
+    metadata = {QUANTIZED_KEY: json.dumps({name: [q.out_features, q.in_features, q.bits, q.zero]
                                            for name, q in quantized.items()})}
     tmp = None
     try:

@@ -74,6 +74,21 @@ def test_symmetric_weights_come_back_without_offsets(tiny_gguf_model, cache, con
     assert generate(first) == generate(second)
 
 
+@pytest.mark.parametrize("kind", ["llama3", "phi3"])
+def test_rope_factor_tensors_are_taken_on_a_cache_hit(kind, tiny_gguf_model, cache, conversions, monkeypatch):
+    """rope_freqs (Llama 3) and rope_factors_long / _short (Phi-3's longrope) set the rotary tables up,
+    not a parameter: a load from the cache takes them from the file too (it once ran without them:
+    wrong rotations for Llama 3, every request refused for Phi-3)."""
+    monkeypatch.setattr(weight_cache, "MIN_CACHED_BYTES", 0)
+    path = str(tiny_gguf_model(kind, "Q8_0"))
+    converted = LLM(path, num_kv_blocks=64)
+    cached = LLM(path, num_kv_blocks=64)
+    assert len(conversions) == 1
+    tables = [llm.engine.model.model.rotary for llm in (converted, cached)]
+    assert all(torch.equal(getattr(tables[0], b), getattr(tables[1], b)) for b in ("inv_freq", "cos", "sin"))
+    assert generate(cached) == generate(converted)
+
+
 def test_a_torn_entry_is_discarded_and_written_anew(default_gguf_path, cache, conversions, caplog):
     reference = generate(LLM(str(default_gguf_path)))
     [entry] = entries(cache)

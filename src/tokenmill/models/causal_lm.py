@@ -87,10 +87,27 @@ class DecoderForCausalLM(nn.Module):
         """A family's layout changes, on Hugging Face names: (name, tensor) pairs to load."""
         yield name, tensor
 
+    # GGUF tensors that set a module up rather than fill a parameter (rope factors): `set_up` takes
+    # them on every load, also when the parameters come from the converted-weights cache
+    SETUP_TENSORS: tuple[str, ...] = ()
+
+    def set_up(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> None:
+        """Hand the checkpoint's SETUP_TENSORS to `take_setup_tensor`."""
+        if isinstance(ckpt, GGUFCheckpoint):
+            present = set(ckpt.tensor_names())
+            for name in self.SETUP_TENSORS:
+                if name in present:
+                    self.take_setup_tensor(name, ckpt.load_tensor(name, torch.float32))
+
+    def take_setup_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} lists {name} in SETUP_TENSORS but does not take it")
+
     def checkpoint_tensors(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:
         """(module name, tensor) pairs; GGUF quantized matrices come as their blocks (the loader decides
         whether to dequantize them). Names no table knows pass through, for the loader to report."""
         for name in ckpt.tensor_names():
+            if name in self.SETUP_TENSORS and isinstance(ckpt, GGUFCheckpoint):
+                continue   # (set_up's)
             if isinstance(ckpt, HFCheckpoint):
                 tensor: Tensor = ckpt.load_tensor(name, torch.float32)
             elif len(ckpt.tensor_shape(name)) == 3:  # experts stacked by llama.cpp: one matrix each

@@ -124,6 +124,9 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.transformer.wte if self.lm_head is None else self.lm_head).logits(hidden)
 
+    def set_up(self, ckpt: GGUFCheckpoint | HFCheckpoint) -> None:
+        """(GPT-2 checkpoints carry no tensors that set modules up: DecoderForCausalLM.set_up)"""
+
     @staticmethod
     def config_from_hf(cfg: ConfigFields) -> ModelConfig:
         act = cfg.get("activation_function", "gelu_new")

@@ -114,11 +114,14 @@ class LlamaForCausalLM(DecoderForCausalLM):
             qk_norm="blk.0.attn_q_norm.weight" in names,
         )
 
+    SETUP_TENSORS = ("rope_freqs.weight",)
+
+    def take_setup_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        self.model.rotary.set_frequency_factors(tensor)   # llama3 rope scaling as per-frequency divisors
+
     def convert(self, name: str, tensor: Tensor, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:
         if not isinstance(ckpt, GGUFCheckpoint):
             yield name, tensor
-        elif name == "rope_freqs.weight":  # llama3 rope scaling as per-frequency divisors
-            self.model.rotary.set_frequency_factors(tensor)
         elif ckpt.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             # llama.cpp permutes Q/K of the "llama" architecture only (qwen2/qwen3 use NeoX rope).
             yield name, unpermute_rope_rows(tensor, self.config.num_heads if ".q_proj." in name

@@ -99,6 +99,7 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
                         str(ckpt.path), show_progress, quantization, dtype)
         if entry is not None and weight_forms(model).keys() - {"dense"}:
             weight_cache.save(model, entry)
+    model.set_up(ckpt)
     model.eval()
     logger.info("weights (quantization %s%s): %s", quantization, f", read from {entry}" if cached else "",
                 ", ".join(f"{form} x{count}" for form, count in weight_forms(model).items()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, split_rows
 from tokenmill.config import ConfigFields, ModelConfig, rope_scaling_from_gguf, rope_scaling_from_hf
 from tokenmill.layers.rotary import LONGROPE_TENSORS
@@ -61,6 +63,11 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             sliding_window=sliding_window(cfg, "attention.sliding_window"),
         )
 
+    SETUP_TENSORS = tuple(LONGROPE_TENSORS)
+
+    def take_setup_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        self.model.rotary.set_longrope_factors(name, tensor)
+
     def convert(self, name: str, tensor: Tensor, ckpt: GGUFCheckpoint | HFCheckpoint) -> Iterator[tuple[str, Tensor]]:
         cfg = self.config
         prefix = name.rpartition(".")[0].rpartition(".")[0]
@@ -71,7 +78,5 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         elif name.endswith("mlp.gate_up_proj.weight"):
             gate, up = split_rows(tensor, [cfg.intermediate_size, cfg.intermediate_size])
             yield from ((f"{prefix}.gate_proj.weight", gate), (f"{prefix}.up_proj.weight", up))
-        elif name in LONGROPE_TENSORS:
-            self.model.rotary.set_longrope_factors(name, tensor)
         else:
             yield name, tensor

@@ -50,6 +50,13 @@ def engine(path: Path, spec: dict | None = None, draft: Path | None = None, **kw
     return LLMEngine(open_checkpoint(path), config, frozenset(), draft_engine)
 
 
+def pin_row_cost(eng: LLMEngine, monkeypatch, value: float | None = None) -> None:
+    """Hold the engine's row cost at `value` (default: its prior) instead of learning it from step times,
+    which would make draft lengths, and counts of them, depend on how fast the machine ran."""
+    eng.speculator.cost = RowCost(eng.speculator.cost.value if value is None else value)
+    monkeypatch.setattr(eng.speculator.cost, "observe", lambda rows, seconds: None)
+
+
 def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
     params = params if isinstance(params, list) else [params] * len(prompts)
     requests = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -304,8 +311,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_a_poor_draft(tmp_pa
     kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=4 * batch, num_kv_blocks=batch + 10)
     eng = engine(target, {"num_speculative_tokens": 2, "disable_by_batch_size": batch}, draft, **kwargs)
     # every request speculates, however large the batch (the adaptive draft length would stop them)
-    eng.speculator.cost = RowCost(0.0)
-    monkeypatch.setattr(eng.speculator.cost, "observe", lambda rows, seconds: None)   # (never learns otherwise)
+    pin_row_cost(eng, monkeypatch, 0.0)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros(4, 4, 4)
     torch.manual_seed(0)
@@ -375,12 +381,14 @@ def test_no_speculation_with_more_requests_running_than_disable_by_batch_size(ti
     assert eng.speculator.stats.num_drafts > 0
 
 
-def test_draft_length_adapts_to_each_requests_acceptance(tiny_hf_model, tmp_path):
+def test_draft_length_adapts_to_each_requests_acceptance(tiny_hf_model, tmp_path, monkeypatch):
     target = tiny_hf_model("llama")
     useless = perturbed(make_hf_model("llama", tmp_path / "useless"), 0.5)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    good = run(engine(target, {"num_speculative_tokens": 4}, draft=target), [PROMPTS[0]], params)[0]
-    bad = run(engine(target, {"num_speculative_tokens": 4}, draft=useless), [PROMPTS[0]], params)[0]
+    engines = [engine(target, {"num_speculative_tokens": 4}, draft=draft) for draft in (target, useless)]
+    for eng in engines:   # (the counts below follow the acceptance alone, not this machine's step times)
+        pin_row_cost(eng, monkeypatch)
+    good, bad = (run(eng, [PROMPTS[0]], params)[0] for eng in engines)
     # a perfect draft proposes the full 4 (but where max_tokens cuts it) and takes ~5 tokens per step
     assert good.spec.num_draft_tokens >= 4 * (good.spec.num_steps - 1)
     assert good.spec.num_steps <= 60 // 5 + 1

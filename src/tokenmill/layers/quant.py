@@ -123,11 +123,12 @@ class QuantWeight(nn.Module):
         else:  # [tile, group, j, row, 4 inputs]: chunk j in the low nibble, chunk j + 4 in the high
             v = u.view(tiles, TILE_ROWS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
             packed = v[..., 0] | (v[..., 1] << 4)
-        scales, offsets = (t.view(tiles, TILE_ROWS, groups).transpose(1, 2).to(torch.float16).contiguous()
-                           for t in (d, m))
-        zero = zero_point(q)
-        self._hold(packed.contiguous().view(-1), scales, offsets if zero is None else None, zero, n, k, q.bits,
-                   dtype)
+        def per_tile(t: torch.Tensor) -> torch.Tensor:   # [tiles, groups, 16] fp16
+            return t.view(tiles, TILE_ROWS, groups).transpose(1, 2).to(torch.float16).contiguous()
+
+        zero = zero_point(q)   # (a symmetric weight's offsets are not laid out: the kernels derive them)
+        self._hold(packed.contiguous().view(-1), per_tile(d), per_tile(m) if zero is None else None, zero, n, k,
+                   q.bits, dtype)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,

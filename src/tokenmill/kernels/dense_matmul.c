@@ -47,6 +47,7 @@ static ALWAYS_INLINE void dense_block(const int MR, const int NR, const float *x
     for (int64_t c = 0; c < k; c += 32) {
         __m512 even[NB], odd[NB];
         for (int j = 0; j < NR; j++) {
+            prefetch_ahead(w + (j0 + j) * k + c, 64);   /* (a thread's rows lie one after another in memory) */
             const __m512i v = _mm512_loadu_si512(w + (j0 + j) * k + c);
             even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));

@@ -228,6 +228,7 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tg = job->w + (t * groups + g) * gbytes;
         __m512i u[8];
+        prefetch_ahead(tg, gbytes);   /* (a thread's tiles lie one after another in memory) */
         if (job->bits == 4) {
             for (int j = 0; j < 4; j++) {
                 const __m512i v = _mm512_loadu_si512(tg + 64 * j);
@@ -313,6 +314,7 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *tg = job->w + (t * groups + g) * gbytes + 32 * h;
             const int16_t *xg = job->x16 + i0 * k + g * GROUP;
+            if (h == 0) prefetch_ahead(tg, gbytes);   /* (the second half reads the same lines) */
             __m256i A[4], B[4];
             for (int r = 0; r < MB; r++) A[r] = B[r] = zero;
             /* (not unrolled: unrolled, the compiler hoists every product ahead of the sums and spills them) */

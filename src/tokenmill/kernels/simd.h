@@ -15,6 +15,22 @@
  * their arrays of vectors stay in registers. */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
+/* Software prefetch for a kernel streaming a weight from memory, called as it reaches each
+ * [p, p + nbytes): the lines PREFETCH_L1 bytes further on are fetched into L1, those PREFETCH_L2 bytes
+ * further into L2. At one or a few activation rows a matmul's arithmetic takes about as long as
+ * reading its weight's bytes, so the two must overlap; the hardware prefetchers alone keep too few
+ * lines in flight for that (and stop at each 4 KB page), which left each core waiting on memory for
+ * about as long as it computed. L2 tracks more misses at once than L1, hence the second, farther
+ * distance. A prefetch never faults: running past the end of the weight is harmless. */
+#define PREFETCH_L1 1024
+#define PREFETCH_L2 8192
+static inline void prefetch_ahead(const void *p, int64_t nbytes) {
+    for (int64_t off = 0; off < nbytes; off += 64) {
+        __builtin_prefetch((const char *)p + PREFETCH_L1 + off, 0, 3);
+        __builtin_prefetch((const char *)p + PREFETCH_L2 + off, 0, 2);
+    }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512 1

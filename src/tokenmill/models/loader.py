@@ -45,7 +45,6 @@ from tokenmill.layers.gguf_quant import FOUR_BIT_TYPES, gguf_to_blocks
 from tokenmill.layers.linear import Embedding, Linear
 from tokenmill.layers.quant import GROUP_SIZE, BlockQuant, QuantWeight, kernel_available, quantize
 from tokenmill.models import get_model_class, weight_cache
-from tokenmill.models.huge_pages import place_in_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +100,6 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
         if entry is not None and weight_forms(model).keys() - {"dense"}:
             weight_cache.save(model, entry)
     model.set_up(ckpt)
-    if device.type == "cpu":
-        place_in_huge_pages(model)   # (decode steps stream the weights: fewer TLB misses, longer prefetches)
     model.eval()
     logger.info("weights (quantization %s%s): %s", quantization, f", read from {entry}" if cached else "",
                 ", ".join(f"{form} x{count}" for form, count in weight_forms(model).items()))

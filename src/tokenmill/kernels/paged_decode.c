@@ -127,29 +127,37 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_ta
 /* Software prefetch: the blocks lie anywhere in the cache, and a task reads only its kv head's slice
  * of each token row, which the hardware prefetcher does not follow. A task asks for the blocks
  * holding its next PREFETCH_TOKENS tokens when it starts, then at each block's start for the block
- * that many tokens ahead: far enough ahead to cover the memory's latency, near enough to stay in L1. */
+ * that many tokens ahead (into L1: near enough to stay there), and the same PREFETCH_TOKENS_L2
+ * tokens ahead into L2, which tracks more misses at once than L1: with L1's alone a core read the
+ * cache at about half the rate it reads a weight (simd.h prefetch_ahead: the same two levels). */
 #define PREFETCH_TOKENS 64
+#define PREFETCH_TOKENS_L2 256
 
-static inline int64_t prefetch_distance(const decode_task *t) {   /* in blocks */
-    return (PREFETCH_TOKENS + t->block_size - 1) / t->block_size;
+static inline int64_t prefetch_distance(const decode_task *t, int l2) {   /* in blocks */
+    return ((l2 ? PREFETCH_TOKENS_L2 : PREFETCH_TOKENS) + t->block_size - 1) / t->block_size;
 }
 
-/* Ask for the task's rows of block `blk` (row: elements per row, elem: bytes per element). Always
- * inlined: as a function of its own it has no effect the compiler can see (a prefetch changes no
- * memory), so its calls would be removed as dead code. */
+/* Ask for the task's rows of block `blk` (row: elements per row, elem: bytes per element) into L1, or
+ * L2 with l2 (constant at every call). Always inlined: as a function of its own it has no effect the
+ * compiler can see (a prefetch changes no memory), so its calls would be removed as dead code. */
 static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
-                                         const int elem) {
+                                         const int elem, const int l2) {
     if (blk * t->block_size >= t->len) return;
     const char *block = (const char *)cache + t->table[blk] * t->block_size * t->kv_heads * row * elem;
     for (int64_t r = 0; r < t->block_size; r++)
-        for (int64_t b = 0; b < row * elem; b += 64)
-            _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < row * elem; b += 64) {
+            if (l2) _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T1);
+            else _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T0);
+        }
 }
 
-/* The prefetches of a task's start: blocks blk + 1 .. blk + prefetch_distance. */
+/* The prefetches of a task's start: blocks blk + 1 .. blk + prefetch_distance into L1, the rest of
+ * the L2 distance into L2. */
 static ALWAYS_INLINE void prefetch_start(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
                                          const int elem) {
-    for (int64_t b = 1; b <= prefetch_distance(t); b++) prefetch_block(cache, t, blk + b, row, elem);
+    for (int64_t b = 1; b <= prefetch_distance(t, 0); b++) prefetch_block(cache, t, blk + b, row, elem, 0);
+    for (int64_t b = prefetch_distance(t, 0) + 1; b <= prefetch_distance(t, 1); b++)
+        prefetch_block(cache, t, blk + b, row, elem, 1);
 }
 
 /* The 8 horizontal sums of a[0..7], in order: a transposing tree of shuffles and adds (about 3
@@ -210,7 +218,7 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
     }
     vf kbuf[8 * 32];   /* 8 tokens' K rows */
     for (int i = 0; i < 8 * NV; i++) kbuf[i] = vf_set1(0.0f);
-    const int64_t ahead = prefetch_distance(&t);
+    const int64_t ahead = prefetch_distance(&t, 0), ahead_l2 = prefetch_distance(&t, 1);
     int64_t blk = t.first / bs, slot = t.first % bs;
     prefetch_start(t.k, &t, blk, row, elem);
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
@@ -219,7 +227,8 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
             kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk] * bs + slot, row), kbuf + j * NV);
             if (++slot == bs) {
                 slot = 0;
-                prefetch_block(t.k, &t, ++blk + ahead, row, elem);
+                prefetch_block(t.k, &t, ++blk + ahead, row, elem, 0);
+                prefetch_block(t.k, &t, blk + ahead_l2, row, elem, 1);
             }
         }
         for (int64_t g = 0; g < t.group; g++) {
@@ -255,7 +264,8 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
             for (int c = 0; c < NV; c++) acc[j * NV + c] = vf_set1(0.0f);
         prefetch_start(t.v, &t, t.first / bs, row, elem);
         for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-            prefetch_block(t.v, &t, blk + ahead, row, elem);
+            prefetch_block(t.v, &t, blk + ahead, row, elem, 0);
+            prefetch_block(t.v, &t, blk + ahead_l2, row, elem, 1);
             const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
                 const int64_t i = blk * bs + s - t.first;

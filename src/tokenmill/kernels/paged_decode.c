@@ -127,9 +127,8 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_ta
 /* Software prefetch: the blocks lie anywhere in the cache, and a task reads only its kv head's slice
  * of each token row, which the hardware prefetcher does not follow. A task asks for the blocks
  * holding its next PREFETCH_TOKENS tokens when it starts, then at each block's start for the block
- * that many tokens ahead (into L1: near enough to stay there), and the same PREFETCH_TOKENS_L2
- * tokens ahead into L2, which tracks more misses at once than L1: with L1's alone a core read the
- * cache at about half the rate it reads a weight (simd.h prefetch_ahead: the same two levels). */
+ * that many tokens ahead (into L1: near enough to stay there), and PREFETCH_TOKENS_L2 tokens ahead
+ * into L2, which tracks more misses at once than L1 (simd.h prefetch_ahead: the same two levels). */
 #define PREFETCH_TOKENS 64
 #define PREFETCH_TOKENS_L2 256
 

@@ -24,7 +24,7 @@
  * distance. A prefetch never faults: running past the end of the weight is harmless. */
 #define PREFETCH_L1 1024
 #define PREFETCH_L2 8192
-static inline void prefetch_ahead(const void *p, int64_t nbytes) {
+static ALWAYS_INLINE void prefetch_ahead(const void *p, int64_t nbytes) {   /* (inlined: see paged_decode.c) */
     for (int64_t off = 0; off < nbytes; off += 64) {
         __builtin_prefetch((const char *)p + PREFETCH_L1 + off, 0, 3);
         __builtin_prefetch((const char *)p + PREFETCH_L2 + off, 0, 2);

@@ -11,10 +11,17 @@
 # `run`: the wheels into /tmp/site, tokenmill from src/ (no install), nvidia-smi and torch's view of
 # the GPU, tests/test_devices.py (its default-model case skips there: the 98 MB GGUF does not fit the
 # 64 MiB a call carries), then `bench latency` on CUDA (bf16, dense) and on the CPU for scale, on a
-# random-weight model of the default model's shape (SmolLM2-135M: 30 layers, 576 wide, 9 / 3 heads).
+# random-weight model of the default model's shape (SmolLM2-135M: 30 layers, 576 wide, 9 / 3 heads),
+# scripts/cuda-profile.py (decode steps per second at batch 1/8/32 and a profiler table), `bench
+# throughput` against transformers on the same GPU, then the engine-level test suites with the GPU as
+# their default device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="llguidance jsonschema jsonschema-specifications referencing rpds-py gguf"
+SUITES="tests/test_engine.py tests/test_paged_engine.py tests/test_families.py tests/test_moe.py tests/test_speculative.py
+        tests/test_structured.py tests/test_sampling.py tests/test_tiny_models.py tests/test_model_parity.py
+        tests/test_rope.py tests/test_kv_cache.py tests/test_llm.py tests/test_gguf_checkpoint.py tests/test_tool_calls.py
+        tests/test_isolation.py tests/test_config.py"
 
 if [ "${1:-}" = "fetch" ]; then
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -45,10 +52,10 @@ status=0
 } > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 
-timeout 240 python3 -m pytest -q -rA -p no:cacheprovider tests/test_devices.py 2>&1 | tee "$out/test_devices.log"
+timeout 50 python3 -m pytest -q -rA -p no:cacheprovider -k "not cpu" tests/test_devices.py 2>&1 | tee "$out/test_devices.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-python3 - "$out/model" <<'EOF' 2>&1 | tee "$out/model.log"
+python3 - "$out/model" <<'EOF' 2>&1
 import sys
 from tiny_models import make_hf_model
 # The default model's shape (SmolLM2-135M), random weights: speed only.
@@ -57,11 +64,23 @@ make_hf_model("llama", sys.argv[1], overrides=dict(hidden_size=576, intermediate
                                                    max_position_embeddings=2048))
 print("model written")
 EOF
-for device in cuda cpu; do
-    timeout 150 python3 -m tokenmill.cli bench latency --model "$out/model" --device "$device" --no-peer \
-        --output "$out/latency-$device.json" 2>&1 | tee "$out/latency-$device.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout 120 python3 scripts/cuda-profile.py "$out/model" cuda > "$out/profile.txt" 2>&1
+[ $? -eq 0 ] || status=1
+head -4 "$out/profile.txt"
+for bench in latency throughput; do   # against transformers on the same GPU
+    extra=(); [ "$bench" = throughput ] && extra=(--skip-ablations --num-requests 32 --max-num-seqs 32 --hf-batch-size 32)
+    timeout 90 python3 -m tokenmill.cli bench "$bench" --model "$out/model" --device cuda "${extra[@]}" \
+        --output "$out/$bench-cuda.json" > "$out/$bench-cuda.log" 2>&1
+    [ $? -eq 0 ] || status=1
+    grep -v "it/s" "$out/$bench-cuda.log" | tail -12
 done
 rm -rf "$out/model"
+
+# The engine-level suites on CUDA: their engines take the default device ("auto"), which is the GPU
+# there. The C kernels are compiled once before the workers start. -v: each test's outcome is logged as
+# it ends, so a run cut short by the timeout still names its failures.
+python3 -c "from tokenmill import kernels; kernels.load()"
+timeout 240 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n 14 --timeout 60 $SUITES > "$out/suite.log" 2>&1
+echo "suite: exit $?"; grep -E "^(FAILED|ERROR)" "$out/suite.log" | head -20; tail -2 "$out/suite.log"
 echo "cuda-check: status $status"
 exit $status

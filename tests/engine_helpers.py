@@ -17,7 +17,8 @@ def make_engine(path: str | Path, dtype: str = "float32", **kwargs) -> LLMEngine
 
 
 def prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits [len(ids), vocab] of one packed prefill of `ids` through the engine's model and cache."""
+    """Logits [len(ids), vocab] of one packed prefill of `ids` through the engine's model and cache,
+    on the host (the references they are compared with are computed on the CPU)."""
     # Compute every position: a prefix-cache hit would skip rows whose logits we want.
     engine.kv.enable_prefix_caching, enabled = False, engine.kv.enable_prefix_caching
     try:
@@ -30,7 +31,7 @@ def prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = engine.model.compute_logits(engine.model(input_ids, positions, meta))
     engine.abort(request.request_id)
-    return logits
+    return logits.cpu()
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -38,7 +38,7 @@ def test_tiny_model_matches_transformers_on_device(device, tiny_hf_model):
     prompts = [torch.randint(3, engine.model_config.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 23)]
     with torch.inference_mode():
         expected = ref(torch.tensor([prompts[2]])).logits[0]
-    torch.testing.assert_close(prefill_logits(engine, prompts[2]).float().cpu(), expected, atol=1e-3, rtol=0)
+    torch.testing.assert_close(prefill_logits(engine, prompts[2]).float(), expected, atol=1e-3, rtol=0)
     ours = greedy(engine, prompts, 12)
     with torch.inference_mode():
         theirs = [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -59,7 +59,7 @@ def test_default_model_on_device(device, default_gguf_path):
     ids = reference.tokenizer.encode("The history of the printing press begins in the fifteenth century, when "
                                      "Johannes Gutenberg combined movable metal type with an oil-based ink and a "
                                      "screw press adapted from wine making.", add_special_tokens=False)
-    got, want = (prefill_logits(x.engine, ids).float().cpu() for x in (llm, reference))
+    got, want = (prefill_logits(x.engine, ids).float() for x in (llm, reference))
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agreement >= 0.9, agreement
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

@@ -60,8 +60,8 @@ def test_quantized_gguf_computes_its_quantized_weights(kind, tiny_gguf_model):
     """A Q8_0 file runs quantized (experts too: one int8 weight per expert, run on its own rows) and,
     with float activations, computes exactly the model of its dequantized weights."""
     path = str(tiny_gguf_model(kind, "Q8_0"))
-    quantized = LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="float32")
-    reference = LLM(path, dtype="float32", quantization="none", num_kv_blocks=64)
+    quantized = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, kv_cache_dtype="float32")
+    reference = LLM(path, device="cpu", dtype="float32", quantization="none", num_kv_blocks=64)
     forms = weight_forms(quantized.engine.model)
     assert set(forms) <= {"int8", "dense"} and forms["int8"] > 0
     model = quantized.engine.model
@@ -84,7 +84,7 @@ def test_a_block_without_a_c_plan_keeps_the_stack_off(tiny_gguf_model, kind):
     mixture of experts (Mixtral: moe.c) both build one; pinning a block to its PyTorch reference (the
     MoE block; llama's norms) takes its plan away, and the decode steps then take the layer loop,
     giving the same tokens (to the reference's rounding)."""
-    llm = LLM(str(tiny_gguf_model(kind, "Q8_0")), num_kv_blocks=64)
+    llm = LLM(str(tiny_gguf_model(kind, "Q8_0")), device="cpu", num_kv_blocks=64)
     model = llm.engine.model.model
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = _prompts(llm.engine.model_config.vocab_size)[:1]
@@ -253,7 +253,7 @@ def test_config_details_read_as_transformers_reads_them():
 
 @pytest.mark.skipif(not kernel_available(), reason="quantized execution needs the C kernels")
 def test_pinning_ops_to_their_reference_after_a_step_turns_the_stack_off(tiny_gguf_model):
-    llm = LLM(str(tiny_gguf_model("gemma2", "Q8_0")), num_kv_blocks=64)
+    llm = LLM(str(tiny_gguf_model("gemma2", "Q8_0")), device="cpu", num_kv_blocks=64)
     model = llm.engine.model.model
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)

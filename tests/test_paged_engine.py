@@ -559,7 +559,7 @@ def test_quantized_rows_do_not_depend_on_the_batch(tiny_gguf_model, kind, kv_cac
     AVX-512 or AVX2 have no C prefill kernel: their prompts run SDPA, whose rows depend on their chunk."""
     if not kernels.has_prefill_kernel():
         pytest.skip("no C prefill kernel in this build; SDPA's rows depend on their chunk")
-    engine = make_engine(tiny_gguf_model(kind, "Q8_0"), block_size=4, max_num_batched_tokens=16,
+    engine = make_engine(tiny_gguf_model(kind, "Q8_0"), device="cpu", block_size=4, max_num_batched_tokens=16,
                          enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     prompts = _prompts(engine.model_config.vocab_size, [1, 5, 12, 19, 8, 3, 16], seed=13)
     alone = [_greedy_with_logprobs(engine, [p], 12)[0] for p in prompts]

@@ -149,7 +149,7 @@ def test_dearer_rows_shorten_drafts_and_the_cost_follows_the_matmul_path(monkeyp
         assert row_cost(cpu, quantized=False) == row_cost(torch.device("cuda"), quantized=True) == ROW_COST
     monkeypatch.undo()
     for quantization in ("none", "int4"):
-        eng = make_engine(tiny_hf_model("llama"), quantization=quantization, speculative_config=NGRAM)
+        eng = make_engine(tiny_hf_model("llama"), device="cpu", quantization=quantization, speculative_config=NGRAM)
         assert eng.speculator.cost.value == row_cost(cpu, quantization != "none")   # the prior, before any step
 
 
@@ -277,7 +277,8 @@ SAMPLING_OPTIONS = [
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_a_seeded_request_gets_the_same_tokens_and_logprobs_with_speculation(tiny_hf_model, poor_draft, proposer):
+def test_a_seeded_request_gets_the_same_tokens_and_logprobs_with_speculation(tiny_hf_model, poor_draft, proposer,
+                                                                            monkeypatch):
     """Every row is sampled from the target's processed distribution with the draw plain decoding
     would use there, so penalties, filters, bias, min_tokens and the seed all carry over exactly."""
     target = tiny_hf_model("llama")
@@ -285,6 +286,7 @@ def test_a_seeded_request_gets_the_same_tokens_and_logprobs_with_speculation(tin
     params = [SamplingParams(max_tokens=30, seed=100 + i, **options) for i, options in enumerate(SAMPLING_OPTIONS)]
     prompt = [1, 5, 9, 5, 9, 5, 9]
     plain_eng, eng = engine(target), engine(target, **spec)
+    pin_row_cost(eng, monkeypatch)   # whether a request speculates must not hang on the machine's step times
     # one at a time: alone, a request speculates whenever a proposal is likely enough to pay
     plain = [run(plain_eng, [prompt], p)[0] for p in params]
     fast = [run(eng, [prompt], p)[0] for p in params]

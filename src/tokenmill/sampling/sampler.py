@@ -77,12 +77,14 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
     """[B, V] Exponential(1) draws: one global draw for all rows, then each sampled seeded row's
     own draw from its generator (the only per-request Python work in the sampler), and the rows
-    whose noise is given."""
+    whose noise is given. Each kind of row is written in one indexed copy: a copy per row would be
+    a kernel launch per row on a GPU."""
     noise = torch.empty(batch.num_rows, batch.vocab_size, device=device).exponential_()
-    for row, generator in batch.seeded_rows:
-        noise[row] = _own_noise(generator, batch.vocab_size, device)
-    for row, given in batch.given_noise:
-        noise[row] = given
+    if batch.seeded_rows:
+        rows = [row for row, _ in batch.seeded_rows]
+        noise[rows] = torch.stack([_own_noise(g, batch.vocab_size) for _, g in batch.seeded_rows]).to(device)
+    if batch.given_noise:
+        noise[[row for row, _ in batch.given_noise]] = torch.stack([given for _, given in batch.given_noise])
     # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
     return noise.clamp_min_(_TINY)
 
@@ -90,9 +92,10 @@ def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tenso
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def _own_noise(generator: torch.Generator, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """One row's draw from a request's own generator: what one sampling step consumes from it."""
-    return torch.empty(vocab_size, device=generator.device).exponential_(generator=generator).to(device)
+def _own_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:
+    """One row's draw from a request's own generator, on the generator's device: what one sampling
+    step consumes from it."""
+    return torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
 
 
 def draw_noise(generator: torch.Generator | None, rows: int, vocab_size: int,
@@ -107,6 +110,6 @@ def draw_noise(generator: torch.Generator | None, rows: int, vocab_size: int,
         return torch.empty(rows, vocab_size, device=device).exponential_().clamp_min_(_TINY), None
     states, noise = [generator.get_state()], []
     for _ in range(rows):
-        noise.append(_own_noise(generator, vocab_size, device))
+        noise.append(_own_noise(generator, vocab_size))
         states.append(generator.get_state())
-    return torch.stack(noise).clamp_min_(_TINY), states
+    return torch.stack(noise).to(device).clamp_min_(_TINY), states

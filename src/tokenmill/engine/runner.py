@@ -58,11 +58,16 @@ class ModelRunner:
         owners: list[Request] = []   # each attention entry's request
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        bs = self.block_size
+        slots: list[list[int]] = [[] for _ in scheduled[0][0].tables]   # per KV cache group, per row
         for request, n in scheduled:
             start = request.num_computed_tokens
             spec = request.spec_token_ids
             ids.extend(request.all_token_ids[start:start + n] if not spec else request.all_token_ids[start:] + spec)
             positions.extend(range(start, start + n))
+            for group_slots, table in zip(slots, request.tables, strict=True):
+                blocks = table.block_ids
+                group_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             entries = [(1, start + j + 1) for j in range(n)] if spec else [(n, start + n)]
             for rows, seq_len in entries:   # (query rows, context length once written)
                 query_start_loc.append(query_start_loc[-1] + rows)
@@ -71,23 +76,22 @@ class ModelRunner:
             if start + n == request.num_tokens + len(spec):
                 logits_rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
                 sampled.append(request)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        row_entry = torch.repeat_interleave(torch.arange(len(owners)), torch.tensor(query_start_loc).diff())
         seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)
         groups = []   # the metadata of each KV cache group: the same rows over the group's own block tables
-        for group in range(len(owners[0].tables)):
+        for group, group_slots in enumerate(slots):
             tables = [r.tables[group].block_ids for r in owners]
             max_blocks = max(len(t) for t in tables)
-            block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
-            slot_mapping = block_tables[row_entry, pos // self.block_size] * self.block_size + pos % self.block_size
+            block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64,
+                                        device=self.device)
             groups.append(AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                            block_tables=block_tables.to(self.device),
-                                            slot_mapping=slot_mapping.to(self.device),
-                                            seq_lens_tensor=seq_lens_tensor, block_size=self.block_size))
+                                            block_tables=block_tables,
+                                            slot_mapping=torch.tensor(group_slots, dtype=torch.int64,
+                                                                      device=self.device),
+                                            seq_lens_tensor=seq_lens_tensor, block_size=bs))
         meta = groups[0]
         meta.other_groups = tuple(groups[1:])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, pos.to(self.device), meta, logits_rows, sampled
+        return input_ids, torch.tensor(positions, dtype=torch.int64, device=self.device), meta, logits_rows, sampled
 
     def logits(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, list[Request]]:
         """Run the model on one step's batch: the logits of the rows that need them ([rows, V], in
@@ -114,7 +118,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if not logits_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
+        if len(logits_rows) < hidden.shape[0]:   # (distinct and increasing: as many as the rows are all of them)
+            hidden = hidden[torch.tensor(logits_rows, device=self.device)]
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, list[SampledToken]]]:

@@ -10,11 +10,11 @@
 #
 # `run`: the wheels into /tmp/site, tokenmill from src/ (no install), nvidia-smi and torch's view of
 # the GPU, tests/test_devices.py (its default-model case skips there: the 98 MB GGUF does not fit the
-# 64 MiB a call carries), then `bench latency` on CUDA (bf16, dense) and on the CPU for scale, on a
-# random-weight model of the default model's shape (SmolLM2-135M: 30 layers, 576 wide, 9 / 3 heads),
-# scripts/cuda-profile.py (decode steps per second at batch 1/8/32 and a profiler table), `bench
-# throughput` against transformers on the same GPU, then the engine-level test suites with the GPU as
-# their default device.
+# 64 MiB a call carries); then, on a random-weight model of the default model's shape (SmolLM2-135M:
+# 30 layers, 576 wide, 9 / 3 heads), scripts/cuda-profile.py (decode steps per second at batch 1, 8
+# and 32, and a profiler table), `bench latency` and `bench throughput` on CUDA against transformers
+# on the same GPU; then the engine-level test suites with the GPU as their default device. Each step
+# has its own timeout; all of them fit a call's 10 minutes (about 6 minutes on an H200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="llguidance jsonschema jsonschema-specifications referencing rpds-py gguf"
@@ -64,7 +64,7 @@ make_hf_model("llama", sys.argv[1], overrides=dict(hidden_size=576, intermediate
                                                    max_position_embeddings=2048))
 print("model written")
 EOF
-timeout 120 python3 scripts/cuda-profile.py "$out/model" cuda > "$out/profile.txt" 2>&1
+timeout 90 python3 scripts/cuda-profile.py "$out/model" cuda > "$out/profile.txt" 2>&1
 [ $? -eq 0 ] || status=1
 head -4 "$out/profile.txt"
 for bench in latency throughput; do   # against transformers on the same GPU
@@ -80,7 +80,7 @@ rm -rf "$out/model"
 # there. The C kernels are compiled once before the workers start. -v: each test's outcome is logged as
 # it ends, so a run cut short by the timeout still names its failures.
 python3 -c "from tokenmill import kernels; kernels.load()"
-timeout 240 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n 14 --timeout 60 $SUITES > "$out/suite.log" 2>&1
+timeout 200 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n 14 --timeout 60 $SUITES > "$out/suite.log" 2>&1
 echo "suite: exit $?"; grep -E "^(FAILED|ERROR)" "$out/suite.log" | head -20; tail -2 "$out/suite.log"
 echo "cuda-check: status $status"
 exit $status

@@ -11,6 +11,7 @@ hypothesis state machine.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tokenmill.engine.speculative import (
     MIN_ROW_COST,
     ROW_COST,
     ROW_COST_NO_VNNI,
+    ProposalCost,
     RowCost,
     draft_length,
     ngram_lookup,
@@ -41,13 +43,18 @@ PROMPTS = [[1, 5, 9, 5, 9, 5], [3] * 40 + [7, 8], list(range(2, 30)), [11, 12, 1
 
 
 def engine(path: Path, spec: dict | None = None, draft: Path | None = None, **kwargs) -> LLMEngine:
-    """A float32 engine on `path`, speculating with `spec` (and the draft model at `draft`)."""
+    """A float32 engine on `path`, speculating with `spec` (and the draft model at `draft`). Its
+    proposals are held free (ProposalCost 0): the tests' drafts are as large as their targets, so a
+    learned cost would rightly stop them speculating, and these tests need them to."""
     draft_engine = None
     if draft is not None:
         draft_engine = make_engine(draft, enable_prefix_caching=False, **kwargs)
         spec = {"model": str(draft), **(spec or {"num_speculative_tokens": 3})}
     config = EngineConfig(dtype="float32", speculative_config=spec, **kwargs)
-    return LLMEngine(open_checkpoint(path), config, frozenset(), draft_engine)
+    eng = LLMEngine(open_checkpoint(path), config, frozenset(), draft_engine)
+    if eng.speculator is not None:
+        eng.speculator.proposal_cost.observe = lambda *args: None
+    return eng
 
 
 def pin_row_cost(eng: LLMEngine, monkeypatch, value: float | None = None) -> None:
@@ -204,6 +211,63 @@ def test_the_engine_teaches_the_row_cost_its_decode_steps_only(monkeypatch, tiny
         eng.step()
         assert eng.last_step.num_decode_tokens <= 1
     assert eng.stats().spec_row_cost == 1.0
+
+
+def test_proposal_cost_is_learned_per_proposed_token():
+    """p = the proposer's seconds per proposed token over the step's one-row time (the step's
+    seconds over 1 + c (rows - 1)), a decayed mean; steps without proposals leave it; draft lengths
+    weigh it with the row cost, so a proposer as dear as a step stops a request speculating."""
+    cost = ProposalCost()
+    assert cost.value == 0.0
+    cost.observe(0.02, 4, 0.01, 5, 0.25)      # one row 0.005 s; 0.005 s per proposed token
+    assert cost.value == pytest.approx(1.0)
+    cost.observe(0.0, 0, 0.01, 1, 0.25)       # nothing proposed: no measure
+    assert cost.value == pytest.approx(1.0)
+    for _ in range(300):
+        cost.observe(0.001, 4, 0.01, 5, 0.25)   # 0.05 of a one-row step per token
+    assert cost.value == pytest.approx(0.05, abs=0.01)
+    likely = SpecState(accepted=9.0, trials=10.0)
+    assert draft_length(likely, 6, 1, ROW_COST, 0.05) > 0
+    assert draft_length(likely, 6, 1, ROW_COST, 1.0) == 0
+    # the same proposal cost weighs more in a larger batch, whose rows share each step's weight read
+    assert draft_length(likely, 6, 32, ROW_COST, 0.05) < draft_length(likely, 6, 1, ROW_COST, 0.05)
+
+
+def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
+    """The engine teaches ProposalCost the time of each step's proposing. A proposer that always
+    proposes the right tokens (the greedy continuation, read from a plain run) and costs nothing goes
+    on proposing; the same proposer made slow (50 ms a call: tens of one-row steps of this model) is
+    learned as so dear that its requests stop proposing, probes included."""
+    target = tiny_hf_model("llama")
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    continuation = run(engine(target), [prompt], params)[0].output_token_ids
+
+    class Oracle:
+        name, samples, steady = "ngram", False, True
+
+        def __init__(self, delay: float):
+            self.delay = delay
+
+        def propose(self, jobs):
+            time.sleep(self.delay)
+            return [continuation[len(r.output_token_ids):len(r.output_token_ids) + k] for r, k in jobs]
+
+        def release(self, request):
+            pass
+
+    drafted = {}
+    for delay in (0.0, 0.05):
+        eng = make_engine(target, speculative_config=NGRAM)
+        pin_row_cost(eng, monkeypatch)
+        eng.speculator.proposer = Oracle(delay)
+        assert run(eng, [prompt], params)[0].output_token_ids == continuation
+        drafted[delay] = eng.speculator.stats.num_draft_tokens
+        assert (eng.speculator.proposal_cost.value > 1.0) == (delay > 0)
+    assert drafted[0.05] * 3 < drafted[0.0]
+    # so dear that proposals accepted every time would not pay: not even probes (the last engine)
+    assert run(eng, [prompt], params)[0].output_token_ids == continuation
+    assert eng.speculator.stats.num_draft_tokens == drafted[0.05]
 
 
 def test_speculative_config_is_vllms_dict_or_its_json():

@@ -29,14 +29,17 @@ c of a batch-1 decode step on top of the weights' one read (`RowCost`: learned f
 own decode steps, starting from `row_cost`, the value measured for its kernel path), so a step of
 B plain rows costs 1 + c (B - 1), a request's share of it c + (1 - c) / B,
 and k proposed rows add c k: the larger the batch, the more a proposal must be likely to pay
-(at B = 1 a > c; at B = 32 with c = 0.15, a > ~0.85 for one row). Where no k > 0 pays, the
-request does not speculate, and tries one token every PROBE_INTERVAL steps to learn whether that
-changed. With more than `disable_by_batch_size` requests running, nobody speculates (nor spends
-the proposers' time).
+(at B = 1 a > c; at B = 32 with c = 0.15, a > ~0.85 for one row). Proposing one token costs p of a
+batch-1 step too (`ProposalCost`, learned: ~0 for n-gram lookup, most of a step for a draft model
+about the target's size), added to c for the proposed rows. Where no k > 0 pays, the request does
+not speculate, and tries one token every PROBE_INTERVAL steps to learn whether that changed (where
+proposals accepted every time would pay). With more than `disable_by_batch_size` requests running,
+nobody speculates (nor spends the proposers' time).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,7 +75,10 @@ OUTLIER = 1.5
 (the process descheduled, a page-fault storm) must not move the fit for the next 50 steps, while
 a lasting change still moves it, step by step."""
 PROBE_INTERVAL = 16
-"""A request that stopped speculating tries one proposed token again after this many steps."""
+"""A request that stopped speculating tries one proposed token again after this many steps (where
+proposals accepted every time would pay: `CERTAIN`)."""
+CERTAIN = SpecState(accepted=1.0, trials=1.0)
+"""The acceptance record of a request whose every proposal is accepted."""
 
 
 def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -132,14 +138,35 @@ class RowCost:
             self.value = min(max(b / (a + b), MIN_ROW_COST), 1.0)
 
 
-def draft_length(state: SpecState, k_max: int, batch: int = 1, row_cost: float = ROW_COST) -> int:
+class ProposalCost:
+    """p, the cost of proposing one token for one request relative to a batch-1 decode step of the
+    target, learned from this engine's own steps: a draft model's forward passes are not free (a
+    quantized copy of the target costs about as much per step as the target), an n-gram lookup
+    nearly is. Each step that verified proposals gives the proposer's seconds per proposed token,
+    over the step's one-row time (the target's seconds over 1 + c (rows - 1)); p is their mean with
+    weights decaying by COST_DECAY per step, 0 until a step has proposed."""
+
+    def __init__(self):
+        self.value = 0.0
+        self._sums = np.zeros(2)   # decayed sums of 1 and the per-token costs
+
+    def observe(self, seconds: float, proposed: int, step_seconds: float, rows: int, row_cost: float) -> None:
+        one_row = step_seconds / (1 + row_cost * (rows - 1))
+        if proposed < 1 or one_row <= 0:
+            return
+        self._sums = COST_DECAY * self._sums + np.array([1.0, seconds / proposed / one_row])
+        self.value = float(self._sums[1] / self._sums[0])
+
+
+def draft_length(state: SpecState, k_max: int, batch: int = 1, row_cost: float = ROW_COST,
+                 proposal_cost: float = 0.0) -> int:
     """The k in 0..k_max that maximizes the request's expected tokens per step over its share of
-    the step's cost, with `batch` requests running and an extra row costing `row_cost` of a batch-1
-    step (module docstring)."""
+    the step's cost, with `batch` requests running, an extra row costing `row_cost` of a batch-1
+    step and proposing one token `proposal_cost` of it (module docstring)."""
     a = min(state.accepted / state.trials, 0.99)
     # A step of B plain rows costs 1 + c (B - 1) batch-1 steps, a request's share of it c + (1 - c) / B;
-    # its k proposed rows add c k: relative to its share, c' k.
-    c = row_cost / (row_cost + (1 - row_cost) / batch)
+    # its k proposed rows add c k, and proposing them p k: relative to its share, c' k.
+    c = (row_cost + proposal_cost) / (row_cost + (1 - row_cost) / batch)
     gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + c * k) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=gains.__getitem__)
 
@@ -163,6 +190,7 @@ class NgramProposer:
 
     name = "ngram"
     samples = False   # its proposals do not depend on the sampling noise
+    steady = True     # its last propose() cost what proposing costs (ProposalCost learns from it)
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
@@ -189,6 +217,7 @@ class DraftModelProposer:
         self.sampler = Sampler()
         self.shadows: dict[str, Request] = {}
         self.synced: dict[str, int] = {}   # request id -> how many of the shadow's tokens are the target's
+        self.steady = True   # False after a propose() that also computed a prompt (a new shadow's)
 
     def _sync(self, request: Request) -> Request:
         """The request's shadow, holding the target's tokens, its K/V valid where they agree."""
@@ -224,6 +253,9 @@ class DraftModelProposer:
                 continue
             active.append((request, shadow, k))
         proposals: dict[str, list[int]] = {r.request_id: [] for r, _ in jobs}
+        # a shadow catching up on more than a verify step adds (the accepted tokens, the target's own and
+        # the last one again) is computing a prompt: a new shadow's, or one idle for a while
+        self.steady = all(s.num_tokens - s.num_computed_tokens <= k + 2 for _, s, k in active)
         for j in range(max((k for _, _, k in active), default=0)):
             active = [job for job in active if job[2] > j]
             scheduled = [(shadow, shadow.num_tokens - shadow.num_computed_tokens) for _, shadow, _ in active]
@@ -273,15 +305,20 @@ class Speculator:
     device: torch.device
     cost: RowCost                   # (its prior: row_cost(), the target's decode path)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    proposal_cost: ProposalCost = field(default_factory=ProposalCost)
+    _proposed: tuple[float, int] = (0.0, 0)   # this step's proposing: seconds, tokens proposed
 
     def observe_step(self, rows: tuple[ScheduledRow, ...], seconds: float) -> None:
         """After a step ran the model on `rows` in `seconds`: a step that only decodes teaches the row cost."""
         if rows and all(r.kind == "decode" for r in rows):
-            self.cost.observe(sum(r.num_tokens for r in rows), seconds)
+            num_rows = sum(r.num_tokens for r in rows)
+            self.cost.observe(num_rows, seconds)
+            self.proposal_cost.observe(*self._proposed, seconds, num_rows, self.cost.value)
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` (and, for sampled requests, the noise of their rows) of the running
         requests that speculate this step."""
+        self._proposed = (0.0, 0)
         if len(running) > self.config.disable_by_batch_size:
             return
         jobs = []
@@ -289,8 +326,11 @@ class Speculator:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
                 continue   # prefilling, or computing tokens a grammar forced
             state = request.spec
-            k = draft_length(state, self.config.num_speculative_tokens, len(running), self.cost.value)
-            if k == 0 and state.idle_steps >= PROBE_INTERVAL:
+            costs = (self.config.num_speculative_tokens, len(running), self.cost.value, self.proposal_cost.value)
+            k = draft_length(state, *costs)
+            # a probe re-learns the acceptance, where accepting every proposal would pay; a draft model's
+            # probe is not cheap (its shadow catches up on every token since it last proposed)
+            if k == 0 and state.idle_steps >= PROBE_INTERVAL and draft_length(CERTAIN, *costs) > 0:
                 k = 1
             # the proposals and the target's token after them must fit in max_tokens
             k = min(k, request.max_tokens - len(request.output_token_ids) - 1)
@@ -299,15 +339,20 @@ class Speculator:
                 jobs.append((request, k))
         if not jobs:
             return
+        start = time.perf_counter()
         if self.proposer.samples:
             for request, k in jobs:
                 self._draw_noise(request, k + 1)
+        proposed = 0
         for (request, _), drafts in zip(jobs, self.proposer.propose(jobs), strict=True):
             if request.grammar is not None:
                 drafts, request.spec_masks = request.grammar.draft_masks(drafts)
             request.spec_token_ids = drafts
+            proposed += len(drafts)
             if drafts and not self.proposer.samples:
                 self._draw_noise(request, len(drafts) + 1)
+        # a step that also prefilled a new shadow's prompt is no measure of proposing's cost
+        self._proposed = (time.perf_counter() - start, proposed) if self.proposer.steady else (0.0, 0)
 
     def _draw_noise(self, request: Request, rows: int) -> None:
         if not request.params.is_greedy:

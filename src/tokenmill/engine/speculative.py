@@ -319,18 +319,19 @@ class Speculator:
         """Set `spec_token_ids` (and, for sampled requests, the noise of their rows) of the running
         requests that speculate this step."""
         self._proposed = (0.0, 0)
-        if len(running) > self.config.disable_by_batch_size:
+        if not running or len(running) > self.config.disable_by_batch_size:
             return
         jobs = []
+        costs = (self.config.num_speculative_tokens, len(running), self.cost.value, self.proposal_cost.value)
+        # a probe re-learns the acceptance, where accepting every proposal would pay; a draft model's
+        # probe is not cheap (its shadow catches up on every token since it last proposed)
+        probes_pay = draft_length(CERTAIN, *costs) > 0
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
                 continue   # prefilling, or computing tokens a grammar forced
             state = request.spec
-            costs = (self.config.num_speculative_tokens, len(running), self.cost.value, self.proposal_cost.value)
             k = draft_length(state, *costs)
-            # a probe re-learns the acceptance, where accepting every proposal would pay; a draft model's
-            # probe is not cheap (its shadow catches up on every token since it last proposed)
-            if k == 0 and state.idle_steps >= PROBE_INTERVAL and draft_length(CERTAIN, *costs) > 0:
+            if k == 0 and state.idle_steps >= PROBE_INTERVAL and probes_pay:
                 k = 1
             # the proposals and the target's token after them must fit in max_tokens
             k = min(k, request.max_tokens - len(request.output_token_ids) - 1)

@@ -53,7 +53,7 @@ def test_bench_spec_runs_the_modes_in_turn_within_each_repeat(monkeypatch):
     def fake_run(llm, batch, workload, run, max_tokens):
         calls.append((llm.mode, batch, workload, run))
         return {"output_tok_s": 1.0, "decode_tok_s": 1.0, "output_tokens": 1, "acceptance_rate": None,
-                "mean_accepted_per_step": None, "row_cost": None, "token_ids": [1]}
+                "mean_accepted_per_step": None, "row_cost": None, "proposal_cost": None, "token_ids": [1]}
 
     monkeypatch.setattr(tokenmill, "LLM", FakeLLM)
     monkeypatch.setattr(spec, "_tokenmill_run", fake_run)

@@ -243,3 +243,8 @@ def test_stats_lines_count_speculative_decoding(tiny_hf_model, caplog, monkeypat
         assert float(rate) == pytest.approx(100 * s.spec_num_accepted_tokens / s.spec_num_draft_tokens, abs=0.06)
         cost = re.search(r"Row cost: ([\d.]+)", r.getMessage()).group(1)
         assert float(cost) == pytest.approx(s.spec_row_cost, abs=0.006) and 0 < s.spec_row_cost <= 1
+        proposing = re.search(r"Proposal cost: ([\d.]+)", r.getMessage()).group(1)
+        assert float(proposing) == pytest.approx(s.spec_proposal_cost, abs=0.0006)
+    # a lookup takes some time, far less than a step
+    assert 0 < intervals[-1].spec_proposal_cost < 1
+    assert intervals[-1].spec_proposal_cost == llm.engine.speculator.proposal_cost.value

@@ -199,7 +199,8 @@ def _tokenmill_run(llm: Any, batch: int, workload: str, run: int, max_tokens: in
             "draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": drafts,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_per_step": accepted / drafts if drafts else None,
-            "row_cost": stats.spec_row_cost,   # the adaptive draft length's learned cost of a row, at the end
+            # the adaptive draft length's learned costs of a row and of proposing a token, at the end
+            "row_cost": stats.spec_row_cost, "proposal_cost": stats.spec_proposal_cost,
             "token_ids": [o.outputs[0].token_ids for o in outs], "load_avg_before": load}
 
 
@@ -238,7 +239,7 @@ def _summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"output_tok_s": stat("output_tok_s"), "decode_tok_s": stat("decode_tok_s"),
             "output_tokens": stat("output_tokens"),
             "acceptance_rate": stat("acceptance_rate"), "mean_accepted_per_step": stat("mean_accepted_per_step"),
-            "row_cost": stat("row_cost"),
+            "row_cost": stat("row_cost"), "proposal_cost": stat("proposal_cost"),
             "first_run_token_ids": token_ids[0], "runs": reps}
 
 

@@ -86,6 +86,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0     # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of which accepted
     spec_row_cost: float | None = None  # the adaptive draft length's cost of a row (speculative.RowCost)
+    spec_proposal_cost: float | None = None  # and of proposing one token (speculative.ProposalCost)
     kv_transfer_role: str | None = None   # kv_producer | kv_consumer (prefill/decode disaggregation); None: off
     kv_transfer_exports: int = 0          # requests whose prompt K/V this engine exported
     kv_transfer_loaded_tokens: int = 0    # prompt tokens whose K/V this engine received instead of computing
@@ -465,7 +466,8 @@ class LLMEngine:
             counts = self.speculator.stats
             spec = dict(spec_proposer=self.speculator.proposer.name, spec_num_drafts=counts.num_drafts,
                         spec_num_draft_tokens=counts.num_draft_tokens,
-                        spec_num_accepted_tokens=counts.num_accepted_tokens, spec_row_cost=self.speculator.cost.value)
+                        spec_num_accepted_tokens=counts.num_accepted_tokens, spec_row_cost=self.speculator.cost.value,
+                        spec_proposal_cost=self.speculator.proposal_cost.value)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_blocks,
                            self.pool.num_free, self.kv.prefix_queries, self.kv.prefix_hits,
                            self.scheduler.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, **spec,

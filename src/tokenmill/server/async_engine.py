@@ -119,6 +119,7 @@ class StatsInterval:
     spec_num_draft_tokens: int = 0    # proposed tokens verified
     spec_num_accepted_tokens: int = 0
     spec_row_cost: float | None = None   # now
+    spec_proposal_cost: float | None = None   # now
 
     @classmethod
     def between(cls, before: EngineStats, after: EngineStats, seconds: float) -> StatsInterval:
@@ -129,7 +130,8 @@ class StatsInterval:
                    after.prefix_cache_hits - before.prefix_cache_hits, after.num_preemptions - before.num_preemptions,
                    after.spec_num_drafts - before.spec_num_drafts,
                    after.spec_num_draft_tokens - before.spec_num_draft_tokens,
-                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens, after.spec_row_cost)
+                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens, after.spec_row_cost,
+                   after.spec_proposal_cost)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -146,10 +148,11 @@ class StatsInterval:
                           100 * self.prefix_cache_hit_rate, self.num_preemptions, extra={"engine_stats": self})
         if self.spec_num_draft_tokens:
             stats_logger.info("SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
-                              "Accepted: %d tokens, Drafted: %d tokens, Row cost: %.2f",
+                              "Accepted: %d tokens, Drafted: %d tokens, Row cost: %.2f, Proposal cost: %.3f",
                               100 * self.spec_num_accepted_tokens / self.spec_num_draft_tokens,
                               1 + self.spec_num_accepted_tokens / self.spec_num_drafts,
                               self.spec_num_accepted_tokens, self.spec_num_draft_tokens, self.spec_row_cost,
+                              self.spec_proposal_cost,
                               extra={"engine_stats": self})
 
 

@@ -64,11 +64,14 @@ class _EngineCollector(Collector):
                 family = CounterMetricFamily(f"tokenmill_spec_decode_{name}", help, labels=["proposer"])
                 family.add_metric([s.spec_proposer], value)
                 yield family
-            cost = GaugeMetricFamily("tokenmill_spec_decode_row_cost", "The adaptive draft length's cost of one more "
-                                     "row relative to a batch-1 decode step, learned from the engine's steps",
-                                     labels=["proposer"])
-            cost.add_metric([s.spec_proposer], s.spec_row_cost)
-            yield cost
+            for name, help, value in [
+                ("row_cost", "The adaptive draft length's cost of one more row relative to a batch-1 decode step, "
+                 "learned from the engine's steps", s.spec_row_cost),
+                ("proposal_cost", "The adaptive draft length's cost of proposing one token relative to a batch-1 "
+                 "decode step, learned from the engine's steps", s.spec_proposal_cost)]:
+                cost = GaugeMetricFamily(f"tokenmill_spec_decode_{name}", help, labels=["proposer"])
+                cost.add_metric([s.spec_proposer], value)
+                yield cost
 
 
 class ServerMetrics:

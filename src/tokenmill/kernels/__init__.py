@@ -106,12 +106,13 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("could not build the C kernels (%s): %s", e, _FALLBACK)
         return None
-    _declare(lib)
+    declare(lib)
     return lib
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    """Argument and result types of every exported function."""
+def declare(lib: ctypes.CDLL) -> None:
+    """Argument and result types of every exported function (of this build, or of a variant build:
+    scripts/kernel-ab.py)."""
     i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     options = [f32, i64, f32]  # scale, sliding window, logit softcap
     args = [ptr] * 3 + [i32, ptr, i64, ptr, ptr] + [i64] * 5 + options + [i32, i32]   # q, k, v, kv_type, ...

@@ -1,0 +1,121 @@
+"""Interleaved A/B of a C kernel change, in one process.
+
+On a shared machine whose speed drifts by tens of percent over minutes, two runs of a benchmark,
+one per build, measure the drift as much as the change. This builds a copy of the kernels' sources
+(a directory holding every .c and .h of src/tokenmill/kernels, with the change) next to the
+installed build, and calls both on the same data in turn, so that both meet the same drift:
+
+  cp -r src/tokenmill/kernels /tmp/variant && <edit /tmp/variant/...>
+  python scripts/kernel-ab.py /tmp/variant decode --context 8192 --batch 1
+  python scripts/kernel-ab.py /tmp/variant matmul --rows 1
+
+`decode`: paged_decode over `--layers` distinct layers' caches (cold, as in a decode step) of the
+default model's attention shape (9 heads, 3 kv heads, head_dim 64, blocks of 16), blocks in random
+order. `matmul`: quant_matmul over the default model's 30 layers of 4-bit weights. Prints each
+build's median step, the variant's speed relative to the installed build, and the largest output
+difference (0 for a value-neutral change). Run it once on an unchanged copy first: what that A/A
+reports is the noise floor (a few percent at the default repeats; more with fewer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.layers.attention import quantize_kv
+from tokenmill.layers.quant import QuantWeight, quantize
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # SmolLM2-135M: qkv, o, gate_up, down
+
+
+def build(sources: Path, out: Path) -> ctypes.CDLL:
+    units = sorted(str(p) for p in sources.glob("*.c"))
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *units, "-o",
+                    str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    kernels.declare(lib)
+    return lib
+
+
+def decode_step(args: argparse.Namespace):
+    blocks = -(-args.context // BLOCK)
+    pool = blocks * args.batch + 1
+
+    def cache() -> torch.Tensor:
+        x = torch.randn(pool, BLOCK, KV_HEADS, HEAD_DIM)
+        return {"f32": x, "bf16": x.bfloat16(), "int8": quantize_kv(x)}[args.kv]
+
+    layers = [(cache(), cache()) for _ in range(args.layers)]
+    tables = torch.randperm(pool - 1)[:blocks * args.batch].view(args.batch, blocks).contiguous()
+    lens = torch.full((args.batch,), args.context, dtype=torch.int64)
+    q = torch.randn(args.batch, HEADS, HEAD_DIM)
+    threads = torch.get_num_threads()
+
+    def step(lib: ctypes.CDLL) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for k, v in layers:
+            lib.paged_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), kernels.KV_TYPES[k.dtype], tables.data_ptr(),
+                             blocks, lens.data_ptr(), out.data_ptr(), args.batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK,
+                             HEAD_DIM**-0.5, 0, 0.0, threads, 0)
+        return out
+    return step
+
+
+def matmul_step(args: argparse.Namespace):
+    weights = [QuantWeight(quantize(torch.randn(n, k), 4), torch.float32) for _ in range(30) for n, k in LAYER_SHAPES]
+    plans = [w.plan() for w in weights]
+    xs = {k: torch.randn(args.rows, k) for _, k in LAYER_SHAPES}
+    threads = torch.get_num_threads()
+
+    def step(lib: ctypes.CDLL) -> torch.Tensor:
+        outs = []
+        for p, _ in zip(plans, weights, strict=True):   # (the plans point into the weights: kept alive with them)
+            y = torch.empty(args.rows, p.out_features)
+            lib.quant_matmul(xs[p.in_features].data_ptr(), args.rows, ctypes.byref(p), 0, None, 0.0, None,
+                             y.data_ptr(), 0, threads)
+            outs.append(y)
+        return torch.cat([y.flatten() for y in outs])
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variant", type=Path, help="a directory with the changed kernel sources")
+    parser.add_argument("kernel", choices=["decode", "matmul"])
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv", choices=["f32", "bf16", "int8"], default="bf16")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"installed": kernels.load(), "variant": build(args.variant, Path(tmp) / "variant.so")}
+        step = (decode_step if args.kernel == "decode" else matmul_step)(args)
+        first = {name: step(lib) for name, lib in libs.items()}
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for _ in range(args.repeats):
+            for name, lib in libs.items():
+                start = time.perf_counter()
+                step(lib)
+                times[name].append(time.perf_counter() - start)
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    for name, t in times.items():
+        print(f"{name:9s} median {median[name] * 1e3:8.3f} ms   min {min(t) * 1e3:8.3f} ms")
+    print(f"variant speed: {median['installed'] / median['variant']:.3f}x of installed; largest output difference "
+          f"{(first['installed'] - first['variant']).abs().max().item():.3g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,9 +9,9 @@ installed build, and calls both on the same data in turn, so that both meet the 
   python scripts/kernel-ab.py /tmp/variant decode --context 8192 --batch 1
   python scripts/kernel-ab.py /tmp/variant matmul --rows 1
 
-`decode`: paged_decode over `--layers` distinct layers' caches (cold, as in a decode step) of the
-default model's attention shape (9 heads, 3 kv heads, head_dim 64, blocks of 16), blocks in random
-order. `matmul`: quant_matmul over the default model's 30 layers of 4-bit weights. Prints each
+`decode`: paged_decode over `--layers` distinct layers' caches (cold, as in a decode step), by
+default of the default model's attention shape (9 heads, 3 kv heads, head_dim 64; blocks of 16),
+blocks in random order. `matmul`: quant_matmul over the default model's 30 layers of 4-bit weights. Prints each
 build's median step, the variant's speed relative to the installed build, and the largest output
 difference (0 for a value-neutral change). Run it once on an unchanged copy first: what that A/A
 reports is the noise floor (a few percent at the default repeats; more with fewer).
@@ -32,7 +32,7 @@ from tokenmill import kernels
 from tokenmill.layers.attention import quantize_kv
 from tokenmill.layers.quant import QuantWeight, quantize
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+BLOCK = 16
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # SmolLM2-135M: qkv, o, gate_up, down
 
 
@@ -50,21 +50,21 @@ def decode_step(args: argparse.Namespace):
     pool = blocks * args.batch + 1
 
     def cache() -> torch.Tensor:
-        x = torch.randn(pool, BLOCK, KV_HEADS, HEAD_DIM)
+        x = torch.randn(pool, BLOCK, args.kv_heads, args.head_dim)
         return {"f32": x, "bf16": x.bfloat16(), "int8": quantize_kv(x)}[args.kv]
 
     layers = [(cache(), cache()) for _ in range(args.layers)]
     tables = torch.randperm(pool - 1)[:blocks * args.batch].view(args.batch, blocks).contiguous()
     lens = torch.full((args.batch,), args.context, dtype=torch.int64)
-    q = torch.randn(args.batch, HEADS, HEAD_DIM)
+    q = torch.randn(args.batch, args.heads, args.head_dim)
     threads = torch.get_num_threads()
 
     def step(lib: ctypes.CDLL) -> torch.Tensor:
         out = torch.empty_like(q)
         for k, v in layers:
             lib.paged_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), kernels.KV_TYPES[k.dtype], tables.data_ptr(),
-                             blocks, lens.data_ptr(), out.data_ptr(), args.batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK,
-                             HEAD_DIM**-0.5, 0, 0.0, threads, 0)
+                             blocks, lens.data_ptr(), out.data_ptr(), args.batch, args.heads, args.kv_heads,
+                             args.head_dim, BLOCK, args.head_dim**-0.5, 0, 0.0, threads, 0)
         return out
     return step
 
@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--kv", choices=["f32", "bf16", "int8"], default="bf16")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -101,6 +104,8 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
+        if kernels.load() is None:
+            raise SystemExit("the installed kernels did not build (see the warning above)")
         libs = {"installed": kernels.load(), "variant": build(args.variant, Path(tmp) / "variant.so")}
         step = (decode_step if args.kernel == "decode" else matmul_step)(args)
         first = {name: step(lib) for name, lib in libs.items()}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -37,9 +36,8 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # SmolLM2-13
 
 
 def build(sources: Path, out: Path) -> ctypes.CDLL:
-    units = sorted(str(p) for p in sources.glob("*.c"))
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *units, "-o",
-                    str(out), "-lm"], check=True)
+    """The variant's sources built as the package builds its own (kernels.build), loaded."""
+    kernels.build(kernels.compiler(), sorted(sources.glob("*.c")), out)
     lib = ctypes.CDLL(str(out))
     kernels.declare(lib)
     return lib

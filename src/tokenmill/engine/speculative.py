@@ -309,7 +309,8 @@ class Speculator:
     _proposed: tuple[float, int] = (0.0, 0)   # this step's proposing: seconds, tokens proposed
 
     def observe_step(self, rows: tuple[ScheduledRow, ...], seconds: float) -> None:
-        """After a step ran the model on `rows` in `seconds`: a step that only decodes teaches the row cost."""
+        """After a step ran the model on `rows` in `seconds`: a step that only decodes teaches the row
+        cost, and the proposal cost where it verified proposals."""
         if rows and all(r.kind == "decode" for r in rows):
             num_rows = sum(r.num_tokens for r in rows)
             self.cost.observe(num_rows, seconds)

@@ -83,12 +83,23 @@ def _compile(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, *map(str, units), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        build(compiler, units, built)
         os.replace(built, target)  # atomic: a concurrent build of the same key loses nothing
     return target
+
+
+def build(compiler: str, units: list[Path], target: Path) -> None:
+    """The C sources `units` compiled as the kernels are into the shared library `target` (this
+    package's, or a variant's: scripts/kernel-ab.py). Raises RuntimeError with the compiler's errors."""
+    result = subprocess.run([compiler, *_FLAGS, *map(str, units), "-o", str(target), "-lm"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 _FALLBACK = "decode attention uses the slower PyTorch path and quantized weights are dequantized at load"
@@ -97,12 +108,12 @@ _FALLBACK = "decode attention uses the slower PyTorch path and quantized weights
 @cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (logged once) if they cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         logger.warning("no C compiler found: %s", _FALLBACK)
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(compiler)))
+        lib = ctypes.CDLL(str(_compile(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("could not build the C kernels (%s): %s", e, _FALLBACK)
         return None

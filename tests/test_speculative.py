@@ -560,4 +560,6 @@ def test_server_speculative_config_flag_and_metrics(default_gguf_path, tmp_path)
         assert 0 < accepted <= drafted
         assert m['tokenmill_spec_decode_num_drafts_total{proposer="ngram"}'] > 0
         assert 0 < m['tokenmill_spec_decode_row_cost{proposer="ngram"}'] <= 1
-        assert 0 < m['tokenmill_spec_decode_proposal_cost{proposer="ngram"}'] < 1   # a lookup: cheap, not free
+        # a lookup: not free, and far cheaper than verifying a row
+        assert 0 < m['tokenmill_spec_decode_proposal_cost{proposer="ngram"}'] < \
+            m['tokenmill_spec_decode_row_cost{proposer="ngram"}']

@@ -11,10 +11,12 @@ installed build, and calls both on the same data in turn, so that both meet the 
 
 `decode`: paged_decode over `--layers` distinct layers' caches (cold, as in a decode step), by
 default of the default model's attention shape (9 heads, 3 kv heads, head_dim 64; blocks of 16),
-blocks in random order. `matmul`: quant_matmul over the default model's 30 layers of 4-bit weights. Prints each
-build's median step, the variant's speed relative to the installed build, and the largest output
-difference (0 for a value-neutral change). Run it once on an unchanged copy first: what that A/A
-reports is the noise floor (a few percent at the default repeats; more with fewer).
+blocks in random order. `prefill`: paged_prefill of the last `--rows` query rows of a
+`--context`-token request, `--layers` times over one cache. `matmul`: quant_matmul over the default
+model's 30 layers of 4-bit weights. Prints each build's median step, the variant's speed relative
+to the installed build, and the largest output difference (0 for a value-neutral change). Run it
+once on an unchanged copy first: what that A/A reports is the noise floor (a few percent at the
+default repeats; more with fewer).
 """
 
 from __future__ import annotations
@@ -67,6 +69,25 @@ def decode_step(args: argparse.Namespace):
     return step
 
 
+def prefill_step(args: argparse.Namespace):
+    """One prompt chunk's attention: the last --rows positions of a --context-token request."""
+    blocks = -(-args.context // BLOCK)
+    x = torch.randn(blocks + 1, BLOCK, args.kv_heads, args.head_dim)
+    k, v = ({"f32": t, "bf16": t.bfloat16(), "int8": quantize_kv(t)}[args.kv] for t in (x, torch.randn_like(x)))
+    table = torch.randperm(blocks)[:blocks].contiguous()
+    q = torch.randn(args.rows, args.heads, args.head_dim)
+    threads = torch.get_num_threads()
+
+    def step(lib: ctypes.CDLL) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for _ in range(args.layers):
+            lib.paged_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), kernels.KV_TYPES[k.dtype], table.data_ptr(),
+                              args.context, args.rows, out.data_ptr(), args.heads, args.kv_heads, args.head_dim, BLOCK,
+                              args.head_dim**-0.5, 0, 0.0, threads)
+        return out
+    return step
+
+
 def matmul_step(args: argparse.Namespace):
     weights = [QuantWeight(quantize(torch.randn(n, k), 4), torch.float32) for _ in range(30) for n, k in LAYER_SHAPES]
     plans = [w.plan() for w in weights]
@@ -87,7 +108,7 @@ def matmul_step(args: argparse.Namespace):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("variant", type=Path, help="a directory with the changed kernel sources")
-    parser.add_argument("kernel", choices=["decode", "matmul"])
+    parser.add_argument("kernel", choices=["decode", "prefill", "matmul"])
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=30)
@@ -105,7 +126,7 @@ def main() -> None:
         if kernels.load() is None:
             raise SystemExit("the installed kernels did not build (see the warning above)")
         libs = {"installed": kernels.load(), "variant": build(args.variant, Path(tmp) / "variant.so")}
-        step = (decode_step if args.kernel == "decode" else matmul_step)(args)
+        step = {"decode": decode_step, "prefill": prefill_step, "matmul": matmul_step}[args.kernel](args)
         first = {name: step(lib) for name, lib in libs.items()}
         times: dict[str, list[float]] = {name: [] for name in libs}
         for _ in range(args.repeats):

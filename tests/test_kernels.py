@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import itertools
 import logging
 
 import pytest
@@ -109,6 +110,24 @@ def exact_prefill(q, cache, table, seq_len, block_size, scale):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+def bf16_dots(cache: torch.Tensor) -> bool:
+    """Does the prefill kernel take bfloat16 dot products on this cache here (AVX512-BF16, bf16 cache)?"""
+    return cache.dtype == torch.bfloat16 and kernels.prefill_bf16_dots()
+
+
+def assert_prefill_close(got: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, reference) -> None:
+    """The prefill kernel's output == reference(q) in float64, to float32's rounding; where it takes
+    bfloat16 dot products, == reference(q rounded to bfloat16) to within what rounding each
+    probability to bfloat16 (2^-9 of itself) can move a weighted mean of V: at most 2^-8 max |v|,
+    and on average far less (2^-12 max |v| here is ~4x the mean error these cases show)."""
+    if not bf16_dots(cache):
+        torch.testing.assert_close(got.double(), reference(q), atol=2e-6, rtol=1e-5)
+        return
+    error = (got.double() - reference(q.bfloat16().float())).abs()
+    vmax = cache[1].float().abs().max().item()
+    assert error.max().item() <= 2**-8 * vmax and error.mean().item() <= 2**-12 * vmax, (error.max(), error.mean())
+
+
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (4, 4, 64, 4), (8, 1, 64, 1), (6, 2, 64, 32), (4, 2, 128, 16),
@@ -123,8 +142,24 @@ def test_prefill_kernel_equals_exact_attention(dtype, heads, kv_heads, head_dim,
     q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(5)).to(query_dtype(dtype))
     got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5)
     assert got is not None and got.dtype == torch.float32 and got.shape == q.shape
-    expected = exact_prefill(q, cache, tables[0], seq_len, block_size, head_dim**-0.5)
-    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    assert_prefill_close(got, q, cache, lambda q: exact_prefill(q, cache, tables[0], seq_len, block_size,
+                                                                head_dim**-0.5))
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_prefill_kernel_output_is_a_weighted_mean_of_v(dtype):
+    """Each row's output is its probabilities times V over their sum: V the same everywhere comes out
+    as itself, to float32 rounding (sums of a few hundred terms), also where the probabilities are
+    rounded to bfloat16 (their sum must then add the rounded values, or the output is off by up to
+    2^-9 of itself)."""
+    if not kernels.has_prefill_kernel():
+        pytest.skip("no prefill kernel in this build (SDPA runs)")
+    q, cache, tables, _ = random_paged_batch([300], 9, 3, 64, 16, dtype, seed=3)
+    cache[1] = to_cache_rows(torch.full((*cache[1].shape[:-1], 64), 1.5), dtype)
+    value = from_cache_rows(cache[1][:1, :1, :1], torch.float32).flatten()[0].item()   # 1.5 as the cache holds it
+    q = torch.randn(200, 9, 64, generator=torch.Generator().manual_seed(4)) * 4
+    got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], 300, 64**-0.5)
+    torch.testing.assert_close(got, torch.full_like(got, value), atol=0, rtol=1e-5)
 
 
 def test_prefill_kernel_declines_other_head_dims():
@@ -327,13 +362,32 @@ def test_prefill_kernel_window_and_softcap_equal_exact_attention(dtype, window, 
     q = torch.randn(num_q, heads, head_dim, generator=torch.Generator().manual_seed(5))
     got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5, sliding_window=window,
                                 logit_softcap=softcap)
-    expected = exact_prefill_options(q, cache, tables[0], seq_len, block_size, head_dim**-0.5, window, softcap)
-    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    assert_prefill_close(got, q, cache, lambda q: exact_prefill_options(q, cache, tables[0], seq_len, block_size,
+                                                                        head_dim**-0.5, window, softcap))
     if window is not None:  # blocks wholly before the first row's window are not read
         first_block = max(0, seq_len - num_q - window + 1) // block_size
         poison(cache, (slice(None), tables[0, :first_block]))
         assert torch.equal(kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5,
                                                  sliding_window=window, logit_softcap=softcap), got)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, None), (37, 1.5)])
+def test_prefill_kernel_rows_do_not_depend_on_their_chunk(dtype, window, softcap):
+    """A prompt's rows computed as one chunk == the same rows in chunks of any size, bit for bit (the
+    engine's batch independence rests on it): tiles start at multiples of their width whatever the
+    first key a chunk sees, so each row sums its keys (and bf16 dot products their pairs) in one order."""
+    if not kernels.has_prefill_kernel():
+        pytest.skip("no prefill kernel in this build (SDPA runs)")
+    seq_len = 333
+    q, cache, tables, _ = random_paged_batch([seq_len], 8, 2, 64, 16, dtype, seed=8)
+    q = torch.randn(seq_len, 8, 64, generator=torch.Generator().manual_seed(9)) * 3
+    options = {"sliding_window": window, "logit_softcap": softcap}
+    whole = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, 0.125, **options)
+    for cuts in ([0, 1, 70, 71, 200, 333], [0, 129, 131, 333], [0, 300, 333]):
+        parts = [kernels.paged_prefill(q[a:b], cache[0], cache[1], tables[0], b, 0.125, **options)
+                 for a, b in itertools.pairwise(cuts)]
+        assert torch.equal(torch.cat(parts), whole), cuts
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
@@ -361,14 +415,26 @@ def test_layer_kernels_equal_the_torch_backend_with_options(dtype, window, softc
                              slot_mapping=torch.tensor(slots), seq_lens_tensor=torch.tensor([n for n, _ in spans]),
                              block_size=block_size)
     q, k, v = (torch.randn(starts[-1], h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    prefill = torch.tensor([starts[b + 1] - starts[b] > 1 for b in range(len(spans)) for _ in range(spans[b][1])])
+    if bf16_dots(cache):   # the prefill rows' queries as the kernel rounds them (assert_prefill_close)
+        q_torch = torch.where(prefill[:, None, None], q.bfloat16().float(), q)
+    else:
+        q_torch = q
     outputs = {}
-    for backend in ("auto", "torch"):
+    for backend, queries in (("auto", q), ("torch", q_torch)):
         layer = Attention(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window, logit_softcap=softcap)
         layer.kv_cache = cache.clone()
         set_backend(layer, backend)
         assert layer.uses_kernels() == (backend == "auto")
-        outputs[backend] = layer(q, k, v, meta)
-    torch.testing.assert_close(outputs["auto"], outputs["torch"], atol=2e-5, rtol=1e-5)
+        outputs[backend] = layer(queries, k, v, meta)
+    if not bf16_dots(cache):
+        torch.testing.assert_close(outputs["auto"], outputs["torch"], atol=2e-5, rtol=1e-5)
+        return
+    decode = ~prefill
+    torch.testing.assert_close(outputs["auto"][decode], outputs["torch"][decode], atol=2e-5, rtol=1e-5)
+    error = (outputs["auto"][prefill] - outputs["torch"][prefill]).abs()
+    vmax = cache[1].float().abs().max().item()
+    assert error.max().item() <= 2**-8 * vmax and error.mean().item() <= 2**-12 * vmax
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)

@@ -135,6 +135,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.paged_prefill.argtypes = [ptr, ptr, ptr, i32, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
     lib.paged_prefill.restype = i32
     lib.paged_prefill_available.restype = i32
+    lib.paged_prefill_bf16_dots.restype = i32
     lib.quant_matmul.argtypes = [ptr, i64, ptr, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.quant_matmul.restype = i32
     lib.quant_rows.argtypes = [ptr, ptr, i64, ptr]
@@ -245,6 +246,13 @@ def has_prefill_kernel() -> bool:
     """Does this machine's build have paged_prefill (AVX-512 or AVX2; elsewhere prompts run SDPA)?"""
     lib = load()
     return lib is not None and bool(lib.paged_prefill_available())
+
+
+def prefill_bf16_dots() -> bool:
+    """Does this build's prefill kernel take bfloat16 dot products on a bfloat16 cache (AVX512-BF16:
+    queries and probabilities rounded to bfloat16, paged_prefill.c)?"""
+    lib = load()
+    return lib is not None and bool(lib.paged_prefill_bf16_dots())
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

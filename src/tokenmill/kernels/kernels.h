@@ -2,7 +2,7 @@
  * with ctypes; tests/test_kernels.py checks the sizes agree) and every exported function, each
  * defined in one unit:
  *   paged_decode.c   paged_decode, paged_decode_rotary
- *   paged_prefill.c  paged_prefill, paged_prefill_available
+ *   paged_prefill.c  paged_prefill, paged_prefill_available, paged_prefill_bf16_dots
  *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
  *   dense_matmul.c   bf16_matmul
  *   moe.c            sparse_moe
@@ -205,5 +205,7 @@ int paged_prefill(const float *q, const void *k, const void *v, int kv_type, con
                   float scale, int64_t window, float softcap, int num_threads);
 /* 1 where this build has paged_prefill (AVX-512 or AVX2), else 0. */
 int paged_prefill_available(void);
+/* 1 where its dot products on a bfloat16 cache are bfloat16 ones (AVX512-BF16), else 0. */
+int paged_prefill_bf16_dots(void);
 
 #endif

@@ -12,8 +12,9 @@
  * Keys a row does not see get probability 0.
  *
  * Options as in paged_decode.c: a sliding window w (the row at position p sees keys p - w < j <= p:
- * the gather starts at the first key the first row sees, so blocks wholly before it are never read,
- * and each row block skips the tiles wholly before its window) and a logit softcap c (scores ->
+ * the gather starts at the tile of the first key the first row sees, whose earlier keys are zeros, so
+ * blocks wholly before that key are never read, and each row block skips the tiles wholly before its
+ * window) and a logit softcap c (scores ->
  * c tanh(scores / c) after the scale). 0 turns either off.
  *
  * Written once on attention.h's vf vectors (VW lanes: 16 with AVX-512, 8 with AVX2; the tile and
@@ -38,54 +39,86 @@
 #define QT 32     /* query rows per task */
 #define VG 4      /* output vectors per row held in registers while V is summed */
 
-/* The gathered keys of a request, from position key0 on, in `tiles` tiles of KT (zeros past
- * seq_len): kt [kv_heads][tiles][head_dim][KT], vv [kv_heads][tiles][KT][head_dim]. */
+/* The gathered keys of a request, from position key0 (a multiple of KT) on, in `tiles` tiles of KT
+ * (zeros before the first key seen and past seq_len). float32: kt [kv_heads][tiles][head_dim][KT], vv [kv_heads][tiles][KT][head_dim]. With
+ * bf16 dot products (`bf16`, see tile_rows), bfloat16 values in pairs, each pair one 32-bit lane of a
+ * vdpbf16ps: kt [kv_heads][tiles][head_dim / 2][KT][2] (two dims of a key), vv [kv_heads][tiles]
+ * [KT / 2][head_dim][2] (one dim of two keys). */
 typedef struct {
-    float *kt, *vv;
+    void *kt, *vv;
     int64_t key0, tiles;
+    int bf16;
 } gathered_kv;
 
 /* One task: query head h, rows [r0, r0 + QT) (those below num_q). */
 typedef struct {
     const float *q;
     float *out;
-    const float *kt, *vv;    /* its kv head's gathered tiles */
+    const void *kt, *vv;    /* its kv head's gathered tiles */
     int64_t key0, seq_len, num_q, heads, h, r0, window;
     float scale, softcap;
 } prefill_task;
 
 /* A task's state per row: the output so far (unnormalized) [QT][head_dim], the running max and sum,
- * and a row block's probabilities for the current tile. */
+ * a row block's probabilities for the current tile, and (bf16 dot products) its query rows in bfloat16
+ * [QT][head_dim]. */
 typedef struct {
     float *o, *m, *l, *p;
+    uint16_t *q16;
 } task_scratch;
 
 /* One tile for one block of rows (positions pos[r], gathered index): scores, the online softmax
- * step, and the tile's V into the rows' outputs. tile0: the tile's first gathered key. */
-static ALWAYS_INLINE void tile_rows(const int CH, const prefill_task *t, const float *const *qr, const int64_t *pos,
-                                    const float *kt, const float *vv, int64_t tile0, float *o, float *m, float *l,
-                                    float *p) {
+ * step, and the tile's V into the rows' outputs. tile0: the tile's first gathered key. qr[r]: the
+ * row's query, float32 or (BF) bfloat16.
+ *
+ * BF (a bfloat16 cache on a CPU with AVX512-BF16): the dot products of both matmuls take vdpbf16ps,
+ * which sums products of bfloat16 pairs into float32 lanes (each product exact in float32), at twice
+ * the products per instruction of an fp32 FMA. K and V are the cache's own values; the query rows and
+ * the probabilities are rounded to bfloat16 (and the row sums add the rounded probabilities, so a
+ * row's output stays a weighted mean of V). As llama.cpp's flash attention rounds Q to its f16 cache's
+ * type. The cost, next to the float32 dot products, is measured by `bench quality` (ARCHITECTURE). */
+static ALWAYS_INLINE void tile_rows(const int CH, const int BF, const prefill_task *t, const void *const *qr,
+                                    const int64_t *pos, const void *kt, const void *vv, int64_t tile0, float *o,
+                                    float *m, float *l, float *p) {
     const int64_t head_dim = 16 * CH;
     const int NV = 16 * CH / VW;   /* vectors per row of head_dim */
     vf acc[ROWS][KT / VW];
     for (int r = 0; r < ROWS; r++)
         for (int v = 0; v < KT / VW; v++) acc[r][v] = vf_set1(0.0f);
-    for (int64_t d = 0; d < head_dim; d++) {
-        vf k[KT / VW];
-        for (int v = 0; v < KT / VW; v++) k[v] = vf_load(kt + d * KT + VW * v);
-        for (int r = 0; r < ROWS; r++) {
-            const vf qd = vf_set1(qr[r][d]);
-            for (int v = 0; v < KT / VW; v++) acc[r][v] = vf_fmadd(qd, k[v], acc[r][v]);
+    if (BF) {
+#ifdef HAVE_BF16
+        for (int64_t dp = 0; dp < head_dim / 2; dp++) {
+            __m512i k[KT / VW];
+            for (int v = 0; v < KT / VW; v++) k[v] = _mm512_load_si512((const uint32_t *)kt + dp * KT + VW * v);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)qr[r])[dp]);
+                for (int v = 0; v < KT / VW; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)k[v], qd);
+            }
+        }
+#endif
+    } else {
+        for (int64_t d = 0; d < head_dim; d++) {
+            vf k[KT / VW];
+            for (int v = 0; v < KT / VW; v++) k[v] = vf_load((const float *)kt + d * KT + VW * v);
+            for (int r = 0; r < ROWS; r++) {
+                const vf qd = vf_set1(((const float *)qr[r])[d]);
+                for (int v = 0; v < KT / VW; v++) acc[r][v] = vf_fmadd(qd, k[v], acc[r][v]);
+            }
         }
     }
     float alpha[ROWS];
+    /* keys every row of the block sees (the tile wholly at or before the first row's position and,
+     * with a window, after the last row's window start) need no mask */
+    int64_t last_pos = pos[0];
+    for (int r = 1; r < ROWS; r++) last_pos = pos[r] > last_pos ? pos[r] : last_pos;
+    const int masked = tile0 + KT - 1 > pos[0] || (t->window > 0 && tile0 <= last_pos - t->window);
     for (int r = 0; r < ROWS; r++) {
         vf sv[KT / VW];
         vf mx = vf_set1(-INFINITY);
         for (int v = 0; v < KT / VW; v++) {
             vf score = vf_mul(acc[r][v], vf_set1(t->scale));
             if (t->softcap > 0.0f) score = vf_softcap(score, t->softcap);
-            sv[v] = vf_causal(score, tile0 + VW * v, pos[r], t->window);
+            sv[v] = masked ? vf_causal(score, tile0 + VW * v, pos[r], t->window) : score;
             mx = vf_max(mx, sv[v]);
         }
         const float tile_max = vf_reduce_max(mx);
@@ -94,11 +127,19 @@ static ALWAYS_INLINE void tile_rows(const int CH, const prefill_task *t, const f
         const vf base = vf_set1(m_new == -INFINITY ? 0.0f : m_new);
         vf sum = vf_set1(0.0f);
         for (int v = 0; v < KT / VW; v++) {
-            const vf e = vf_exp_nonpositive(vf_sub(sv[v], base));
-            vf_store(p + r * KT + VW * v, e);
+            vf e = vf_exp_nonpositive(vf_sub(sv[v], base));
+            if (BF) {   /* p as bfloat16 [ROWS][KT] */
+#ifdef HAVE_BF16
+                const __m256bh e16 = _mm512_cvtneps_pbh(e);
+                _mm256_store_si256((__m256i *)((uint16_t *)p + r * KT + VW * v), (__m256i)e16);
+                e = _mm512_cvtpbh_ps(e16);
+#endif
+            } else {
+                vf_store(p + r * KT + VW * v, e);
+            }
             sum = vf_add(sum, e);
         }
-        alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+        alpha[r] = m[r] == -INFINITY ? 0.0f : m_new == m[r] ? 1.0f : expf(m[r] - m_new);
         l[r] = l[r] * alpha[r] + vf_reduce_add(sum);
         m[r] = m_new;
     }
@@ -109,14 +150,29 @@ static ALWAYS_INLINE void tile_rows(const int CH, const prefill_task *t, const f
         for (int r = 0; r < ROWS; r++)
             for (int c = 0; c < VG; c++)
                 if (c < nc) ov[r][c] = vf_mul(vf_load(o + r * head_dim + VW * (c0 + c)), vf_set1(alpha[r]));
-        for (int64_t j = 0; j < KT; j++) {
-            vf vr[VG];
-            for (int c = 0; c < VG; c++)
-                if (c < nc) vr[c] = vf_load(vv + j * head_dim + VW * (c0 + c));
-            for (int r = 0; r < ROWS; r++) {
-                const vf pj = vf_set1(p[r * KT + j]);
+        if (BF) {
+#ifdef HAVE_BF16
+            for (int64_t jp = 0; jp < KT / 2; jp++) {   /* keys 2 jp and 2 jp + 1 */
+                __m512i vr[VG];
                 for (int c = 0; c < VG; c++)
-                    if (c < nc) ov[r][c] = vf_fmadd(pj, vr[c], ov[r][c]);
+                    if (c < nc) vr[c] = _mm512_load_si512((const uint32_t *)vv + jp * head_dim + VW * (c0 + c));
+                for (int r = 0; r < ROWS; r++) {
+                    const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)p)[r * (KT / 2) + jp]);
+                    for (int c = 0; c < VG; c++)
+                        if (c < nc) ov[r][c] = _mm512_dpbf16_ps(ov[r][c], (__m512bh)vr[c], pj);
+                }
+            }
+#endif
+        } else {
+            for (int64_t j = 0; j < KT; j++) {
+                vf vr[VG];
+                for (int c = 0; c < VG; c++)
+                    if (c < nc) vr[c] = vf_load((const float *)vv + j * head_dim + VW * (c0 + c));
+                for (int r = 0; r < ROWS; r++) {
+                    const vf pj = vf_set1(p[r * KT + j]);
+                    for (int c = 0; c < VG; c++)
+                        if (c < nc) ov[r][c] = vf_fmadd(pj, vr[c], ov[r][c]);
+                }
             }
         }
         for (int r = 0; r < ROWS; r++)
@@ -125,30 +181,41 @@ static ALWAYS_INLINE void tile_rows(const int CH, const prefill_task *t, const f
     }
 }
 
-/* The task with CH = head_dim / 16 constant at the call site. */
-static ALWAYS_INLINE void run_prefill_task(const int CH, const prefill_task *task, const task_scratch *sc) {
+/* The task with CH = head_dim / 16 and BF (bf16 dot products) constant at the call site. */
+static ALWAYS_INLINE void run_prefill_task(const int CH, const int BF, const prefill_task *task,
+                                           const task_scratch *sc) {
     const prefill_task t = *task;   /* a local copy: the stores cannot alias its fields */
     const int64_t head_dim = 16 * CH, first = t.seq_len - t.num_q;   /* position of query row 0 */
     const int64_t rows = t.num_q - t.r0 < QT ? t.num_q - t.r0 : QT;
     const int64_t last = first + t.r0 + rows - 1 - t.key0;   /* gathered index of the task's last position */
+    const int64_t tile_bytes = head_dim * KT * (BF ? 2 : 4);
     memset(sc->o, 0, sizeof(float) * (size_t)(QT * head_dim));
     for (int r = 0; r < QT; r++) { sc->m[r] = -INFINITY; sc->l[r] = 0.0f; }
+    if (BF) {   /* the task's query rows, rounded to bfloat16 once */
+#ifdef HAVE_BF16
+        for (int64_t r = 0; r < rows; r++)
+            for (int c = 0; c < CH; c++)
+                _mm256_store_si256((__m256i *)(sc->q16 + r * head_dim + 16 * c),
+                                   (__m256i)_mm512_cvtneps_pbh(vf_loadu(t.q + ((t.r0 + r) * t.heads + t.h) * head_dim
+                                                                        + 16 * c)));
+#endif
+    }
     /* the first tile any row of the task sees */
     const int64_t lowest = t.window > 0 ? first + t.r0 - t.window + 1 - t.key0 : 0;
     for (int64_t tile = lowest > 0 ? lowest / KT : 0; tile * KT <= last; tile++) {
-        const float *kt = t.kt + tile * head_dim * KT, *vv = t.vv + tile * KT * head_dim;
+        const void *kt = (const char *)t.kt + tile * tile_bytes, *vv = (const char *)t.vv + tile * tile_bytes;
         for (int64_t b = 0; b < rows; b += ROWS) {
-            const float *qr[ROWS];
+            const void *qr[ROWS];
             int64_t pos[ROWS];
             for (int r = 0; r < ROWS; r++) {   /* rows past the task's repeat its first (never stored) */
-                const int64_t row = t.r0 + (b + r < rows ? b + r : 0);
-                qr[r] = t.q + (row * t.heads + t.h) * head_dim;
-                pos[r] = first + row - t.key0;
+                const int64_t i = b + r < rows ? b + r : 0;
+                qr[r] = BF ? (const void *)(sc->q16 + i * head_dim) : t.q + ((t.r0 + i) * t.heads + t.h) * head_dim;
+                pos[r] = first + t.r0 + i - t.key0;
             }
             const int64_t block_last = pos[0] + (rows - b < ROWS ? rows - b : ROWS) - 1;
             if (tile * KT > block_last) continue;   /* the block's rows are all before the tile */
             if (t.window > 0 && (tile + 1) * KT <= pos[0] - t.window + 1) continue;   /* wholly before its window */
-            tile_rows(CH, &t, qr, pos, kt, vv, tile * KT, sc->o + b * head_dim, sc->m + b, sc->l + b, sc->p);
+            tile_rows(CH, BF, &t, qr, pos, kt, vv, tile * KT, sc->o + b * head_dim, sc->m + b, sc->l + b, sc->p);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -158,30 +225,32 @@ static ALWAYS_INLINE void run_prefill_task(const int CH, const prefill_task *tas
             vf_storeu(dst + VW * c, vf_mul(vf_load(sc->o + r * head_dim + VW * c), vf_set1(inv)));
     }
 }
-static ALWAYS_INLINE void run_prefill_task_any(const prefill_task *t, int64_t head_dim, const task_scratch *sc) {
+
+static ALWAYS_INLINE void run_prefill_task_ch(const int BF, const prefill_task *t, int64_t head_dim,
+                                              const task_scratch *sc) {
     switch (head_dim / 16) {
-        case 1: run_prefill_task(1, t, sc); break;
-        case 2: run_prefill_task(2, t, sc); break;
-        case 3: run_prefill_task(3, t, sc); break;
-        case 4: run_prefill_task(4, t, sc); break;
-        case 5: run_prefill_task(5, t, sc); break;
-        case 6: run_prefill_task(6, t, sc); break;
-        case 7: run_prefill_task(7, t, sc); break;
-        case 8: run_prefill_task(8, t, sc); break;
-        case 9: run_prefill_task(9, t, sc); break;
-        case 10: run_prefill_task(10, t, sc); break;
-        case 11: run_prefill_task(11, t, sc); break;
-        case 12: run_prefill_task(12, t, sc); break;
-        case 13: run_prefill_task(13, t, sc); break;
-        case 14: run_prefill_task(14, t, sc); break;
-        case 15: run_prefill_task(15, t, sc); break;
-        case 16: run_prefill_task(16, t, sc); break;
+        case 1: run_prefill_task(1, BF, t, sc); break;
+        case 2: run_prefill_task(2, BF, t, sc); break;
+        case 3: run_prefill_task(3, BF, t, sc); break;
+        case 4: run_prefill_task(4, BF, t, sc); break;
+        case 5: run_prefill_task(5, BF, t, sc); break;
+        case 6: run_prefill_task(6, BF, t, sc); break;
+        case 7: run_prefill_task(7, BF, t, sc); break;
+        case 8: run_prefill_task(8, BF, t, sc); break;
+        case 9: run_prefill_task(9, BF, t, sc); break;
+        case 10: run_prefill_task(10, BF, t, sc); break;
+        case 11: run_prefill_task(11, BF, t, sc); break;
+        case 12: run_prefill_task(12, BF, t, sc); break;
+        case 13: run_prefill_task(13, BF, t, sc); break;
+        case 14: run_prefill_task(14, BF, t, sc); break;
+        case 15: run_prefill_task(15, BF, t, sc); break;
+        case 16: run_prefill_task(16, BF, t, sc); break;
         default: break;
     }
 }
 
 /* One key's K (into column `col` of its tile's transposed K) and V (a row), from cache offset `row`,
- * or zeros where row < 0 (past seq_len). */
+ * or zeros where row < 0 (past seq_len), as float32. */
 static ALWAYS_INLINE void gather_key(const int kv_type, const void *k, const void *v, int64_t row, int64_t head_dim,
                                      float *kt, int64_t col, float *vv) {
     if (row < 0) {
@@ -194,16 +263,38 @@ static ALWAYS_INLINE void gather_key(const int kv_type, const void *k, const voi
     }
 }
 
+/* The same from a bfloat16 cache into the pairs of gathered_kv's bf16 layout: key `col` of its tile,
+ * kt / vv the tile's. */
+static inline void gather_key_bf16(const uint16_t *k, const uint16_t *v, int64_t row, int64_t head_dim,
+                                   uint32_t *kt, int64_t col, uint16_t *vv) {
+    for (int64_t dp = 0; dp < head_dim / 2; dp++) {
+        uint32_t pair = 0;
+        if (row >= 0) memcpy(&pair, k + row + 2 * dp, sizeof pair);
+        kt[dp * KT + col] = pair;
+    }
+    uint16_t *dst = vv + (col / 2) * head_dim * 2 + col % 2;
+    for (int64_t d = 0; d < head_dim; d++) dst[2 * d] = row >= 0 ? v[row + d] : 0;
+}
+
 static int prefill(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                    int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                    float scale, int64_t window, float softcap, int kv_type, int num_threads) {
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS || num_q > seq_len) return -1;
-    /* the first key the first query row sees */
+#ifdef HAVE_BF16
+    const int bf16 = kv_type == TM_KV_BF16;
+#else
+    const int bf16 = 0;
+#endif
+    const size_t esize = bf16 ? 2 : 4;
+    /* The first key the first query row sees, and the tiles from the one that holds it: tiles start
+     * at multiples of KT whatever the chunk, so a row's sums (tile by tile, and bf16's pairs of keys)
+     * run in the same order in any chunk: its result does not depend on the chunk. The keys of that
+     * tile before first_seen are zeros (their blocks may be gone: never read). */
     const int64_t first_seen = window > 0 && seq_len - num_q - window + 1 > 0 ? seq_len - num_q - window + 1 : 0;
-    const int64_t tiles = (seq_len - first_seen + KT - 1) / KT, keys = tiles * KT;
-    const gathered_kv g = {aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * keys * head_dim)),
-                           aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * keys * head_dim)),
-                           first_seen, tiles};
+    const int64_t key0 = first_seen / KT * KT, tiles = (seq_len - key0 + KT - 1) / KT, keys = tiles * KT;
+    const gathered_kv g = {aligned_alloc(64, esize * (size_t)(kv_heads * keys * head_dim)),
+                           aligned_alloc(64, esize * (size_t)(kv_heads * keys * head_dim)),
+                           key0, tiles, bf16};
     if (g.kt == NULL || g.vv == NULL) { free(g.kt); free(g.vv); return 1; }
     const int64_t group = heads / kv_heads, tasks_per_head = (num_q + QT - 1) / QT;
     int failed = 0;
@@ -211,31 +302,47 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
     {
         #pragma omp for collapse(2) schedule(static)
         for (int64_t kh = 0; kh < kv_heads; kh++)
-            for (int64_t i = 0; i < keys; i++) {   /* key position first_seen + i */
+            for (int64_t i = 0; i < keys; i++) {   /* key position key0 + i */
                 const int64_t pos = g.key0 + i;
-                const int64_t row = pos < seq_len ? ((table[pos / block_size] * block_size + pos % block_size)
-                                                     * kv_heads + kh) * kv_row_elems(head_dim, kv_type) : -1;
-                float *kt = g.kt + (kh * keys + i / KT * KT) * head_dim, *vv = g.vv + (kh * keys + i) * head_dim;
-                if (kv_type == TM_KV_BF16) gather_key(TM_KV_BF16, k, v, row, head_dim, kt, i % KT, vv);
-                else if (kv_type == TM_KV_I8) gather_key(TM_KV_I8, k, v, row, head_dim, kt, i % KT, vv);
-                else gather_key(TM_KV_F32, k, v, row, head_dim, kt, i % KT, vv);
+                const int64_t row = pos >= first_seen && pos < seq_len
+                                    ? ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + kh)
+                                      * kv_row_elems(head_dim, kv_type)
+                                    : -1;
+                const int64_t tile0 = (kh * keys + i / KT * KT) * head_dim;   /* the tile's first element */
+                if (g.bf16)
+                    gather_key_bf16(k, v, row, head_dim, (uint32_t *)((uint16_t *)g.kt + tile0), i % KT,
+                                    (uint16_t *)g.vv + tile0);
+                else if (kv_type == TM_KV_BF16)
+                    gather_key(TM_KV_BF16, k, v, row, head_dim, (float *)g.kt + tile0, i % KT,
+                               (float *)g.vv + (kh * keys + i) * head_dim);
+                else if (kv_type == TM_KV_I8)
+                    gather_key(TM_KV_I8, k, v, row, head_dim, (float *)g.kt + tile0, i % KT,
+                               (float *)g.vv + (kh * keys + i) * head_dim);
+                else
+                    gather_key(TM_KV_F32, k, v, row, head_dim, (float *)g.kt + tile0, i % KT,
+                               (float *)g.vv + (kh * keys + i) * head_dim);
             }
-        /* the task scratch: outputs [QT][head_dim], maxima [QT], sums [QT], probabilities [ROWS][KT] */
-        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(QT * head_dim + 2 * QT + ROWS * KT));
+        /* the task scratch: outputs [QT][head_dim], maxima [QT], sums [QT], probabilities [ROWS][KT],
+         * bfloat16 query rows [QT][head_dim] */
+        const size_t floats = (size_t)(QT * head_dim + 2 * QT + ROWS * KT);
+        float *buf = aligned_alloc(64, sizeof(float) * floats + sizeof(uint16_t) * (size_t)(QT * head_dim));
         if (buf == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
-        const task_scratch sc = {buf, buf + QT * head_dim, buf + QT * head_dim + QT, buf + QT * head_dim + 2 * QT};
+        const task_scratch sc = {buf, buf + QT * head_dim, buf + QT * head_dim + QT, buf + QT * head_dim + 2 * QT,
+                                 (uint16_t *)(buf + floats)};
         /* without a window, later tasks see more keys: hand them out first, dynamically */
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < heads * tasks_per_head; i++) {
             if (buf == NULL) continue;
             const int64_t h = i % heads, kh = h / group;
-            const prefill_task t = {q, out, g.kt + kh * keys * head_dim, g.vv + kh * keys * head_dim, g.key0,
+            const int64_t kv0 = kh * keys * head_dim * (int64_t)esize;   /* the kv head's gathered bytes */
+            const prefill_task t = {q, out, (const char *)g.kt + kv0, (const char *)g.vv + kv0, g.key0,
                                     seq_len, num_q, heads, h, (tasks_per_head - 1 - i / heads) * QT, window, scale,
                                     softcap};
-            run_prefill_task_any(&t, head_dim, &sc);
+            if (bf16) run_prefill_task_ch(1, &t, head_dim, &sc);
+            else run_prefill_task_ch(0, &t, head_dim, &sc);
         }
         free(buf);
     }
@@ -262,6 +369,14 @@ int paged_prefill(const float *q, const void *k, const void *v, int kv_type, con
 
 int paged_prefill_available(void) {
 #ifdef HAVE_VF
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int paged_prefill_bf16_dots(void) {
+#if defined(HAVE_VF) && defined(HAVE_BF16)
     return 1;
 #else
     return 0;

@@ -40,14 +40,13 @@
 #define VG 4      /* output vectors per row held in registers while V is summed */
 
 /* The gathered keys of a request, from position key0 (a multiple of KT) on, in `tiles` tiles of KT
- * (zeros before the first key seen and past seq_len). float32: kt [kv_heads][tiles][head_dim][KT], vv [kv_heads][tiles][KT][head_dim]. With
- * bf16 dot products (`bf16`, see tile_rows), bfloat16 values in pairs, each pair one 32-bit lane of a
- * vdpbf16ps: kt [kv_heads][tiles][head_dim / 2][KT][2] (two dims of a key), vv [kv_heads][tiles]
- * [KT / 2][head_dim][2] (one dim of two keys). */
+ * (zeros before the first key seen and past seq_len). float32: kt [kv_heads][tiles][head_dim][KT],
+ * vv [kv_heads][tiles][KT][head_dim]. For bf16 dot products (see tile_rows), bfloat16 values in
+ * pairs, each pair one 32-bit lane of a vdpbf16ps: kt [kv_heads][tiles][head_dim / 2][KT][2] (two
+ * dims of a key), vv [kv_heads][tiles][KT / 2][head_dim][2] (one dim of two keys). */
 typedef struct {
     void *kt, *vv;
     int64_t key0, tiles;
-    int bf16;
 } gathered_kv;
 
 /* One task: query head h, rows [r0, r0 + QT) (those below num_q). */
@@ -294,7 +293,7 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
     const int64_t key0 = first_seen / KT * KT, tiles = (seq_len - key0 + KT - 1) / KT, keys = tiles * KT;
     const gathered_kv g = {aligned_alloc(64, esize * (size_t)(kv_heads * keys * head_dim)),
                            aligned_alloc(64, esize * (size_t)(kv_heads * keys * head_dim)),
-                           key0, tiles, bf16};
+                           key0, tiles};
     if (g.kt == NULL || g.vv == NULL) { free(g.kt); free(g.vv); return 1; }
     const int64_t group = heads / kv_heads, tasks_per_head = (num_q + QT - 1) / QT;
     int failed = 0;
@@ -309,7 +308,7 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
                                       * kv_row_elems(head_dim, kv_type)
                                     : -1;
                 const int64_t tile0 = (kh * keys + i / KT * KT) * head_dim;   /* the tile's first element */
-                if (g.bf16)
+                if (bf16)
                     gather_key_bf16(k, v, row, head_dim, (uint32_t *)((uint16_t *)g.kt + tile0), i % KT,
                                     (uint16_t *)g.vv + tile0);
                 else if (kv_type == TM_KV_BF16)
@@ -341,8 +340,13 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
             const prefill_task t = {q, out, (const char *)g.kt + kv0, (const char *)g.vv + kv0, g.key0,
                                     seq_len, num_q, heads, h, (tasks_per_head - 1 - i / heads) * QT, window, scale,
                                     softcap};
-            if (bf16) run_prefill_task_ch(1, &t, head_dim, &sc);
-            else run_prefill_task_ch(0, &t, head_dim, &sc);
+#ifdef HAVE_BF16
+            if (bf16) {
+                run_prefill_task_ch(1, &t, head_dim, &sc);
+                continue;
+            }
+#endif
+            run_prefill_task_ch(0, &t, head_dim, &sc);
         }
         free(buf);
     }

@@ -116,10 +116,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--kv", choices=["f32", "bf16", "int8"], default="bf16")
-    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=None,
+                        help="activation rows (matmul, default 1) / the chunk's query rows (prefill, default 512)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    if args.rows is None:
+        args.rows = 512 if args.kernel == "prefill" else 1
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,8 @@
  * when the max grows), and the tile's V summed into the rows' outputs. A tile (16 KiB of K, 16 KiB
  * of V at head_dim 64) is read from memory once per task and then from L1 by its QT / ROWS row
  * blocks, so the work stays bound by the FMAs at any context length rather than by the caches.
- * Keys a row does not see get probability 0.
+ * Keys a row does not see get probability 0. A bfloat16 cache on a CPU with AVX512-BF16 is gathered
+ * as bf16 pairs instead (half the bytes) for bf16 dot products: see gathered_kv and tile_rows.
  *
  * Options as in paged_decode.c: a sliding window w (the row at position p sees keys p - w < j <= p:
  * the gather starts at the tile of the first key the first row sees, whose earlier keys are zeros, so
@@ -75,7 +76,8 @@ typedef struct {
  * the products per instruction of an fp32 FMA. K and V are the cache's own values; the query rows and
  * the probabilities are rounded to bfloat16 (and the row sums add the rounded probabilities, so a
  * row's output stays a weighted mean of V). As llama.cpp's flash attention rounds Q to its f16 cache's
- * type. The cost, next to the float32 dot products, is measured by `bench quality` (ARCHITECTURE). */
+ * type. The cost, next to the float32 dot products, is measured by `bench quality` (ARCHITECTURE).
+ * (vdpbf16ps flushes denormal inputs and results to zero: an output below 2^-126 reads as 0.) */
 static ALWAYS_INLINE void tile_rows(const int CH, const int BF, const prefill_task *t, const void *const *qr,
                                     const int64_t *pos, const void *kt, const void *vv, int64_t tile0, float *o,
                                     float *m, float *l, float *p) {
@@ -131,7 +133,7 @@ static ALWAYS_INLINE void tile_rows(const int CH, const int BF, const prefill_ta
 #ifdef HAVE_BF16
                 const __m256bh e16 = _mm512_cvtneps_pbh(e);
                 _mm256_store_si256((__m256i *)((uint16_t *)p + r * KT + VW * v), (__m256i)e16);
-                e = _mm512_cvtpbh_ps(e16);
+                e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)e16), 16));
 #endif
             } else {
                 vf_store(p + r * KT + VW * v, e);

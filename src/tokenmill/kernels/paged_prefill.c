@@ -310,18 +310,15 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
                                       * kv_row_elems(head_dim, kv_type)
                                     : -1;
                 const int64_t tile0 = (kh * keys + i / KT * KT) * head_dim;   /* the tile's first element */
-                if (bf16)
+                if (bf16) {
                     gather_key_bf16(k, v, row, head_dim, (uint32_t *)((uint16_t *)g.kt + tile0), i % KT,
                                     (uint16_t *)g.vv + tile0);
-                else if (kv_type == TM_KV_BF16)
-                    gather_key(TM_KV_BF16, k, v, row, head_dim, (float *)g.kt + tile0, i % KT,
-                               (float *)g.vv + (kh * keys + i) * head_dim);
-                else if (kv_type == TM_KV_I8)
-                    gather_key(TM_KV_I8, k, v, row, head_dim, (float *)g.kt + tile0, i % KT,
-                               (float *)g.vv + (kh * keys + i) * head_dim);
-                else
-                    gather_key(TM_KV_F32, k, v, row, head_dim, (float *)g.kt + tile0, i % KT,
-                               (float *)g.vv + (kh * keys + i) * head_dim);
+                    continue;
+                }
+                float *kt = (float *)g.kt + tile0, *vv = (float *)g.vv + (kh * keys + i) * head_dim;
+                if (kv_type == TM_KV_BF16) gather_key(TM_KV_BF16, k, v, row, head_dim, kt, i % KT, vv);
+                else if (kv_type == TM_KV_I8) gather_key(TM_KV_I8, k, v, row, head_dim, kt, i % KT, vv);
+                else gather_key(TM_KV_F32, k, v, row, head_dim, kt, i % KT, vv);
             }
         /* the task scratch: outputs [QT][head_dim], maxima [QT], sums [QT], probabilities [ROWS][KT],
          * bfloat16 query rows [QT][head_dim] */

@@ -11,12 +11,12 @@ installed build, and calls both on the same data in turn, so that both meet the 
 
 `decode`: paged_decode over `--layers` distinct layers' caches (cold, as in a decode step), by
 default of the default model's attention shape (9 heads, 3 kv heads, head_dim 64; blocks of 16),
-blocks in random order. `prefill`: paged_prefill of the last `--rows` query rows of a
-`--context`-token request, `--layers` times over one cache. `matmul`: quant_matmul over the default
-model's 30 layers of 4-bit weights. Prints each build's median step, the variant's speed relative
-to the installed build, and the largest output difference (0 for a value-neutral change). Run it
-once on an unchanged copy first: what that A/A reports is the noise floor (a few percent at the
-default repeats; more with fewer).
+blocks in random order (`--order sequential`: one after another). `prefill`: paged_prefill of the
+last `--rows` query rows of a `--context`-token request, `--layers` times over one cache. `matmul`:
+quant_matmul over the default model's 30 layers of 4-bit weights. Prints each build's median step,
+the variant's speed relative to the installed build, and the largest output difference (0 for a
+value-neutral change). Run it once on an unchanged copy first: what that A/A reports is the noise
+floor (a few percent at the default repeats; more with fewer).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def decode_step(args: argparse.Namespace):
         return {"f32": x, "bf16": x.bfloat16(), "int8": quantize_kv(x)}[args.kv]
 
     layers = [(cache(), cache()) for _ in range(args.layers)]
-    tables = torch.randperm(pool - 1)[:blocks * args.batch].view(args.batch, blocks).contiguous()
+    order = torch.randperm(pool - 1) if args.order == "random" else torch.arange(pool - 1)
+    tables = order[:blocks * args.batch].view(args.batch, blocks).contiguous()
     lens = torch.full((args.batch,), args.context, dtype=torch.int64)
     q = torch.randn(args.batch, args.heads, args.head_dim)
     threads = torch.get_num_threads()
@@ -94,15 +95,20 @@ def matmul_step(args: argparse.Namespace):
     xs = {k: torch.randn(args.rows, k) for _, k in LAYER_SHAPES}
     threads = torch.get_num_threads()
 
-    def step(lib: ctypes.CDLL) -> torch.Tensor:
-        outs = []
-        for p, _ in zip(plans, weights, strict=True):   # (the plans point into the weights: kept alive with them)
-            y = torch.empty(args.rows, p.out_features)
+    # the outputs allocated once: fresh ones per call would time their page faults along with the kernel
+    outs = [torch.empty(args.rows, p.out_features) for p in plans]
+
+    def step(lib: ctypes.CDLL) -> list[torch.Tensor]:
+        for p, _, y in zip(plans, weights, outs, strict=True):   # (the plans point into the weights: kept alive)
             lib.quant_matmul(xs[p.in_features].data_ptr(), args.rows, ctypes.byref(p), 0, None, 0.0, None,
                              y.data_ptr(), 0, threads)
-            outs.append(y)
-        return torch.cat([y.flatten() for y in outs])
+        return outs
     return step
+
+
+def flat(result: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A step's output(s) as one new tensor (a copy: a later step may overwrite them)."""
+    return torch.cat([t.flatten() for t in (result if isinstance(result, list) else [result])])
 
 
 def main() -> None:
@@ -118,6 +124,9 @@ def main() -> None:
     parser.add_argument("--kv", choices=["f32", "bf16", "int8"], default="bf16", help="decode and prefill: cache type")
     parser.add_argument("--rows", type=int, default=None,
                         help="activation rows (matmul, default 1) / the chunk's query rows (prefill, default 512)")
+    parser.add_argument("--order", choices=["random", "sequential"], default="random",
+                        help="decode: the requests' blocks in random cache order (a long-running server's), or "
+                             "one after another (a fresh engine's)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -130,7 +139,7 @@ def main() -> None:
             raise SystemExit("the installed kernels did not build (see the warning above)")
         libs = {"installed": kernels.load(), "variant": build(args.variant, Path(tmp) / "variant.so")}
         step = {"decode": decode_step, "prefill": prefill_step, "matmul": matmul_step}[args.kernel](args)
-        first = {name: step(lib) for name, lib in libs.items()}
+        first = {name: flat(step(lib)) for name, lib in libs.items()}
         times: dict[str, list[float]] = {name: [] for name in libs}
         for _ in range(args.repeats):
             for name, lib in libs.items():

@@ -11,8 +11,9 @@ quantized to it at load (`quantize`). A symmetric weight, every m = -z d for one
 Q5_0: 16, Q8_0: 128), is held without its offsets (`zero_point`): the kernels form m from d, exactly.
 
 The kernel splits each row of activations, per group of 32, into two int8 planes (x ~ dx (254 hi +
-lo): 16-bit precision; plain int8 as in llama.cpp cost SmolLM2 a mean KL of 2.8e-2, the two planes
-1.5e-6) and sums u8 x s8 products with AVX-512 VNNI (a portable C loop elsewhere). Here it runs
+lo): 16-bit precision; SmolLM2's mean KL to the float model 1.0e-7, where llama.cpp's plain int8
+activations reach 4.7e-3), sums u8 x s8 products with AVX-512 VNNI (a portable C loop elsewhere)
+and returns the dequantized weight times the quantized activations, to float32 rounding. Here it runs
 2-6x faster than a dense fp32 matmul at 1-32 rows and within 0.6-1.1x of it at 512-row prefill
 chunks, from 1/6 of the bytes, so every row of every step takes it. Each row's output depends on
 that row alone, so a request's tokens do not depend on what it is batched with.

@@ -235,8 +235,9 @@ class TPWorkers:
     def comm_time(self) -> float:
         """Seconds rank 0 has spent communicating with the workers: step broadcasts and collectives
         (waits for a slower rank included). Shared-memory exchanges are timed in C; the gloo path
-        (ranks on several machines) counts the broadcasts only."""
-        return self.broadcast_s + (0.0 if self.tp.shm is None else self.tp.shm.time_spent())
+        (ranks on several machines) counts the broadcasts only. (With shared memory the broadcasts are
+        exchanges too, already in the C timer: adding broadcast_s counted them twice.)"""
+        return self.broadcast_s if self.tp.shm is None else self.tp.shm.time_spent()
 
     def shutdown(self) -> None:
         """Stop the workers (politely if the group still works) and leave the group."""

@@ -536,7 +536,8 @@ def test_default_model_kept_quantized_matches_dequantized_reference(default_gguf
                              TEXT_PATH.read_text(encoding="utf-8")[:4000], context=1024, chunk_size=32)
     ppl = {r["mode"]: r["perplexity"] for r in report["results"]}
     exact_cache, auto, int8 = report["results"][1:]
-    assert exact_cache["mean_kl"] < 1e-4 and exact_cache["top1_agreement"] > 0.99
+    # 2.1e-7 measured (1.1e-6 when the kernel's offset term took the exact sum of x, not of x^)
+    assert exact_cache["mean_kl"] < 5e-7 and exact_cache["top1_agreement"] > 0.99
     assert abs(ppl["auto-kv-f32"] / ppl["none"] - 1) < 1e-3
     assert auto["mean_kl"] < 5e-4 and auto["top1_agreement"] > 0.98
     assert abs(ppl["auto"] / ppl["none"] - 1) < 2e-3

@@ -168,6 +168,29 @@ def test_prefill_kernel_output_is_a_weighted_mean_of_v(dtype):
     torch.testing.assert_close(got, torch.full_like(got, value), atol=0, rtol=1e-5)
 
 
+def test_prefill_kernel_bf16_probabilities_are_the_exact_ones_rounded():
+    """With bfloat16 dot products, each probability is exp(score - max) rounded to bfloat16; the kernel
+    computes the exp with a short polynomial (2^f, good to ~3e-6 of itself), which may move a rounding
+    only where the exact value lies that close to a rounding boundary. In one tile of keys (<= 64: the
+    running max is the row's max) the output is then the exact attention with the probabilities rounded
+    to bfloat16 to float32 rounding and a few such flips: a mean error of ~2^-27 vmax here, where a
+    polynomial off by 1e-4 of itself gives ~2^-18 (many probabilities round differently).
+    At most one flip's worth anywhere: 2^-8 of a probability's share of vmax."""
+    if not kernels.has_prefill_kernel() or not kernels.prefill_bf16_dots():
+        pytest.skip("no bf16 dot products in this build")
+    heads, kv_heads, head_dim, seq_len = 4, 2, 64, 64
+    q, cache, tables, _ = random_paged_batch([seq_len], heads, kv_heads, head_dim, 16, torch.bfloat16, seed=11)
+    q = torch.randn(seq_len, heads, head_dim, generator=torch.Generator().manual_seed(12)) * 3
+    got = kernels.paged_prefill(q, cache[0], cache[1], tables[0], seq_len, head_dim**-0.5)
+    k, v = gather_exact(cache, tables[0], seq_len, 16, heads)   # [L, heads, d] float64
+    scores = torch.einsum("nhd,lhd->hnl", q.bfloat16().double(), k) * head_dim**-0.5
+    scores.masked_fill_(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf"))
+    p = (scores - scores.amax(-1, keepdim=True)).exp().bfloat16().double()
+    expected = torch.einsum("hnl,lhd->nhd", p / p.sum(-1, keepdim=True), v)
+    error = (got.double() - expected).abs() / v.abs().max()
+    assert error.mean().item() <= 2**-22 and error.max().item() <= 2**-8, (error.mean(), error.max())
+
+
 def test_prefill_kernel_declines_other_head_dims():
     q, cache, tables, _ = random_paged_batch([20], 2, 1, 40, 16, torch.float32)
     assert kernels.paged_prefill(torch.randn(20, 2, 40), cache[0], cache[1], tables[0], 20, 0.1) is None

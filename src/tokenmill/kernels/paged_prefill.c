@@ -59,13 +59,28 @@ typedef struct {
     float scale, softcap;
 } prefill_task;
 
-/* A task's state per row: the output so far (unnormalized) [QT][head_dim], the running max and sum,
+/* A task's state per row: the output so far (unnormalized) [QT][head_dim], the running max (of the
+ * scores, or of scale log2(e) scores in tile_rows' base-2 softmax) and sum,
  * a row block's probabilities for the current tile, and (bf16 dot products) its query rows in bfloat16
  * [QT][head_dim]. */
 typedef struct {
     float *o, *m, *l, *p;
     uint16_t *q16;
 } task_scratch;
+
+/* 2^t for t <= 0 or -inf, to the precision bfloat16 probabilities need: 2^floor(t) 2^f with
+ * f = t - floor(t) in [0, 1] (vreduceps), 2^f by a degree-4 polynomial fitted for relative error
+ * (2.7e-6 at most: 1/700 of bfloat16's rounding), 2^floor(t) by vscalefps (-inf: 0). */
+#ifdef HAVE_BF16
+static inline __m512 exp2_bf16(__m512 t) {
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013534167781472206f), f, _mm512_set1_ps(0.05201146379113197f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414427548646927f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+    return _mm512_scalef_ps(p, t);
+}
+#endif
 
 /* One tile for one block of rows (positions pos[r], gathered index): scores, the online softmax
  * step, and the tile's V into the rows' outputs. tile0: the tile's first gathered key. qr[r]: the
@@ -77,6 +92,8 @@ typedef struct {
  * the probabilities are rounded to bfloat16 (and the row sums add the rounded probabilities, so a
  * row's output stays a weighted mean of V). As llama.cpp's flash attention rounds Q to its f16 cache's
  * type. The cost, next to the float32 dot products, is measured by `bench quality` (ARCHITECTURE).
+ * Without a softcap, its softmax runs in base 2 with a shorter exp (exp2_bf16), exact enough for
+ * probabilities that are rounded to bfloat16 next.
  * (vdpbf16ps flushes denormal inputs and results to zero: an output below 2^-126 reads as 0.) */
 static ALWAYS_INLINE void tile_rows(const int CH, const int BF, const prefill_task *t, const void *const *qr,
                                     const int64_t *pos, const void *kt, const void *vv, int64_t tile0, float *o,
@@ -113,6 +130,36 @@ static ALWAYS_INLINE void tile_rows(const int CH, const int BF, const prefill_ta
     int64_t last_pos = pos[0];
     for (int r = 1; r < ROWS; r++) last_pos = pos[r] > last_pos ? pos[r] : last_pos;
     const int masked = tile0 + KT - 1 > pos[0] || (t->window > 0 && tile0 <= last_pos - t->window);
+#ifdef HAVE_BF16
+    if (BF && t->softcap == 0.0f) {
+        /* the softmax in base 2: m is the row's max of scale log2(e) score, p = 2^(scale log2(e) score - m),
+         * stored as bfloat16 pairs; the row sum adds those rounded values (one vdpbf16ps against ones) */
+        const float log2_scale = t->scale * 1.44269504088896341f;
+        const __m512 c = _mm512_set1_ps(log2_scale);
+        const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+        for (int r = 0; r < ROWS; r++) {
+            __m512 sv[KT / VW];
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int v = 0; v < KT / VW; v++) {
+                sv[v] = masked ? vf_causal(acc[r][v], tile0 + VW * v, pos[r], t->window) : acc[r][v];
+                mx = _mm512_max_ps(mx, sv[v]);
+            }
+            const float tile_max = _mm512_reduce_max_ps(mx) * log2_scale;
+            const float m_new = tile_max > m[r] ? tile_max : m[r];
+            const __m512 base = _mm512_set1_ps(m_new == -INFINITY ? 0.0f : m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int v = 0; v < KT / VW; v += 2) {
+                const __m512bh e = _mm512_cvtne2ps_pbh(exp2_bf16(_mm512_fmsub_ps(sv[v + 1], c, base)),
+                                                       exp2_bf16(_mm512_fmsub_ps(sv[v], c, base)));
+                _mm512_store_si512((uint16_t *)p + r * KT + VW * v, (__m512i)e);
+                sum = _mm512_dpbf16_ps(sum, e, ones);
+            }
+            alpha[r] = m[r] == -INFINITY ? 0.0f : m_new == m[r] ? 1.0f : exp2f(m[r] - m_new);
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+            m[r] = m_new;
+        }
+    } else
+#endif
     for (int r = 0; r < ROWS; r++) {
         vf sv[KT / VW];
         vf mx = vf_set1(-INFINITY);
@@ -150,7 +197,10 @@ static ALWAYS_INLINE void tile_rows(const int CH, const int BF, const prefill_ta
         vf ov[ROWS][VG];
         for (int r = 0; r < ROWS; r++)
             for (int c = 0; c < VG; c++)
-                if (c < nc) ov[r][c] = vf_mul(vf_load(o + r * head_dim + VW * (c0 + c)), vf_set1(alpha[r]));
+                if (c < nc) {
+                    const vf x = vf_load(o + r * head_dim + VW * (c0 + c));
+                    ov[r][c] = alpha[r] == 1.0f ? x : vf_mul(x, vf_set1(alpha[r]));
+                }
         if (BF) {
 #ifdef HAVE_BF16
             for (int64_t jp = 0; jp < KT / 2; jp++) {   /* keys 2 jp and 2 jp + 1 */

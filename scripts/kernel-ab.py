@@ -13,7 +13,8 @@ installed build, and calls both on the same data in turn, so that both meet the 
 default of the default model's attention shape (9 heads, 3 kv heads, head_dim 64; blocks of 16),
 blocks in random order (`--order sequential`: one after another). `prefill`: paged_prefill of the
 last `--rows` query rows of a `--context`-token request, `--layers` times over one cache. `matmul`:
-quant_matmul over the default model's 30 layers of 4-bit weights. Prints each build's median step,
+quant_matmul over the default model's 30 layers of 4-bit weights (with offsets, or `--symmetric`).
+Prints each build's median step,
 the variant's speed relative to the installed build, and the largest output difference (0 for a
 value-neutral change). Run it once on an unchanged copy first: what that A/A reports is the noise
 floor (a few percent at the default repeats; more with fewer).
@@ -31,7 +32,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.layers.attention import quantize_kv
-from tokenmill.layers.quant import QuantWeight, quantize
+from tokenmill.layers.quant import BlockQuant, QuantWeight, quantize
 
 BLOCK = 16
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # SmolLM2-135M: qkv, o, gate_up, down
@@ -90,7 +91,13 @@ def prefill_step(args: argparse.Namespace):
 
 
 def matmul_step(args: argparse.Namespace):
-    weights = [QuantWeight(quantize(torch.randn(n, k), 4), torch.float32) for _ in range(30) for n, k in LAYER_SHAPES]
+    def weight(n: int, k: int) -> QuantWeight:
+        q = quantize(torch.randn(n, k), 4)
+        if args.symmetric:   # Q4_0's form: offsets -8 d, which the kernel derives rather than reads
+            q = BlockQuant(q.u, q.d, -8 * q.d, 4)
+        return QuantWeight(q, torch.float32)
+
+    weights = [weight(n, k) for _ in range(30) for n, k in LAYER_SHAPES]
     plans = [w.plan() for w in weights]
     xs = {k: torch.randn(args.rows, k) for _, k in LAYER_SHAPES}
     threads = torch.get_num_threads()
@@ -127,6 +134,8 @@ def main() -> None:
     parser.add_argument("--order", choices=["random", "sequential"], default="random",
                         help="decode: the requests' blocks in random cache order (a long-running server's), or "
                              "one after another (a fresh engine's)")
+    parser.add_argument("--symmetric", action="store_true",
+                        help="matmul: symmetric 4-bit weights (Q4_0's form) instead of ones with offsets (Q4_1's)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

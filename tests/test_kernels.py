@@ -170,7 +170,7 @@ def test_prefill_kernel_output_is_a_weighted_mean_of_v(dtype):
 
 def test_prefill_kernel_bf16_probabilities_are_the_exact_ones_rounded():
     """With bfloat16 dot products, each probability is exp(score - max) rounded to bfloat16; the kernel
-    computes the exp with a short polynomial (2^f, good to ~3e-6 of itself), which may move a rounding
+    computes the exp with a polynomial (2^f, good to ~2e-7 of itself), which may move a rounding
     only where the exact value lies that close to a rounding boundary. In one tile of keys (<= 64: the
     running max is the row's max) the output is then the exact attention with the probabilities rounded
     to bfloat16 to float32 rounding and a few such flips: a mean error of ~2^-27 vmax here, where a

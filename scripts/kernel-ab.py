@@ -14,10 +14,9 @@ default of the default model's attention shape (9 heads, 3 kv heads, head_dim 64
 blocks in random order (`--order sequential`: one after another). `prefill`: paged_prefill of the
 last `--rows` query rows of a `--context`-token request, `--layers` times over one cache. `matmul`:
 quant_matmul over the default model's 30 layers of 4-bit weights (with offsets, or `--symmetric`).
-Prints each build's median step,
-the variant's speed relative to the installed build, and the largest output difference (0 for a
-value-neutral change). Run it once on an unchanged copy first: what that A/A reports is the noise
-floor (a few percent at the default repeats; more with fewer).
+Prints each build's median step, the variant's speed relative to the installed build, and the
+largest output difference (0 for a value-neutral change). Run it once on an unchanged copy first:
+what that A/A reports is the noise floor (a few percent at the default repeats; more with fewer).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@
 #define MB 4   /* activation rows per block */
 
 static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
-                          float *y, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > (1 << 18))
+                          float *y) {
+    #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
             float acc = 0.0f;
@@ -78,14 +78,15 @@ static ALWAYS_INLINE void dense_rows(const int MR, const float *xp, int64_t k, c
 
 /* x's rows are already prepared (f applied); xp: scratch [m, k], 64-byte aligned. */
 static void dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
-                         float *y, float *xp, int num_threads) {
+                         float *y, float *xp) {
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; i++)   /* x in the weights' even/odd order */
         for (int64_t c = 0; c < k; c += 32)
             for (int64_t e = 0; e < 16; e++) {
                 xp[i * k + c + e] = x[i * k + c + 2 * e];
                 xp[i * k + c + 16 + e] = x[i * k + c + 2 * e + 1];
             }
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > (1 << 18))
+    #pragma omp for schedule(static)
     for (int64_t jb = 0; jb < (n + NB - 1) / NB; jb++)
         for (int64_t i0 = 0; i0 < m; i0 += MB) {
             switch (m - i0 < MB ? m - i0 : MB) {
@@ -98,31 +99,37 @@ static void dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w
 }
 #endif
 
-int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated, const float *norm_w,
-                float eps, const float *residual, float *y, int generic, int num_threads) {
+void bf16_matmul_team(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated,
+                      const float *norm_w, float eps, const float *residual, float *y, int generic,
+                      const tm_matmul_scratch *s) {
     const int fused = gated || norm_w != NULL;
     const int64_t ldx = gated ? 2 * k : k;
 #ifdef HAVE_AVX512
     const int simd = !generic && k % 32 == 0;
 #else
     const int simd = 0;
-    (void)generic;
 #endif
-    /* rows: f(x) contiguous [m, k] (x itself when there is nothing to apply); xp: the permuted rows */
-    float *rows = fused ? malloc(sizeof(float) * (size_t)(m * k + 1)) : NULL;
-    float *xp = simd ? aligned_alloc(64, (sizeof(float) * (size_t)(m * k) + 63) / 64 * 64 + 64) : NULL;
-    if ((fused && rows == NULL) || (simd && xp == NULL)) {
-        free(rows); free(xp);
-        return 1;
+    if (fused) {   /* f(x) contiguous [m, k] in the scratch's rows */
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) prepare_row(x + i * ldx, k, gated, norm_w, eps, s->rows + i * k, generic);
     }
-    if (fused)   /* (then prepare_row writes each row into `rows`) */
-        for (int64_t i = 0; i < m; i++) prepare_row(x + i * ldx, k, gated, norm_w, eps, rows + i * k, generic);
-    const float *in = fused ? rows : x;
+    const float *in = fused ? s->rows : x;
 #ifdef HAVE_AVX512
-    if (simd) dense_avx512(in, m, k, w, n, residual, y, xp, num_threads);
-    else
+    if (simd) {
+        dense_avx512(in, m, k, w, n, residual, y, s->xp);
+        return;
+    }
 #endif
-        dense_generic(in, m, k, w, n, residual, y, num_threads);
-    free(rows); free(xp);
+    (void)simd;
+    dense_generic(in, m, k, w, n, residual, y);
+}
+
+int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated, const float *norm_w,
+                float eps, const float *residual, float *y, int generic, int num_threads) {
+    tm_matmul_scratch s;
+    if (matmul_scratch_alloc(&s, m, k)) return 1;
+    #pragma omp parallel num_threads(num_threads) if (m * n * k > (1 << 18))
+    bf16_matmul_team(x, m, k, w, n, gated, norm_w, eps, residual, y, generic, &s);
+    matmul_scratch_free(&s);
     return 0;
 }

@@ -18,31 +18,69 @@ int64_t plan_struct_size(int which) {
     }
 }
 
-/* x [batch, n] += rmsnorm(y) row by row (norm.h: the same bits as the layer loop's RMSNorm, then its
- * residual add); y is normed in place. */
-static void add_rmsnorm(float *x, float *y, const float *w, float eps, int64_t batch, int64_t n) {
-    for (int64_t b = 0; b < batch; b++) {
-        rms_norm_row(y + b * n, n, w, eps, y + b * n, 0);
-        for (int64_t i = 0; i < n; i++) x[b * n + i] += y[b * n + i];
+/* What a layer of the step reads and writes besides its plan: the step's inputs and the scratch
+ * shared by the team. */
+typedef struct {
+    float *x;
+    int64_t batch;
+    const float *cos, *sin, *cos_local, *sin_local;
+    const tm_kv_group *groups;
+    const int64_t *seq_lens;
+    const tm_shm *shm;
+    int num_threads;
+    float *qkv, *attn, *gate_up, *out;   /* [batch, the widest layer's] */
+    tm_matmul_scratch mm;
+    tm_decode_scratch dec;
+    int *failed;                         /* shared: 1 out of memory, 3 an all-reduce failed */
+} stack_step;
+
+/* x + out_norm(y), y = w(a): the projection ending a block, with the residual add fused into the
+ * matmul when there is no sandwich norm (y in st->out). Under tensor parallelism (shm) w is
+ * row-parallel: y is summed over the ranks first, rank 0 adding the residual to its part
+ * (layers/linear.py Linear.forward, the same bits). In a team, as every function here. */
+static void block_output(const stack_step *st, const tm_weight *w, const float *a, int gated, const float *out_norm,
+                         float eps) {
+    const int64_t batch = st->batch, n = w->out_features;
+    float *y = out_norm == NULL ? st->x : st->out;
+    const float *residual = out_norm == NULL && (st->shm == NULL || st->shm->rank == 0) ? st->x : NULL;
+    plan_matmul_team(w, a, batch, gated, NULL, 0.0f, residual, y, &st->mm);
+    if (st->shm != NULL) {
+        #pragma omp single
+        if (shm_all_reduce(st->shm, y, batch * n, 0)) *st->failed = 3;
+    }
+    if (out_norm != NULL) {   /* x += rmsnorm(y) row by row (norm.h: the layer loop's RMSNorm, then its residual add) */
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; b++) {
+            rms_norm_row(y + b * n, n, out_norm, eps, y + b * n, 0);
+            for (int64_t i = 0; i < n; i++) st->x[b * n + i] += y[b * n + i];
+        }
     }
 }
 
-/* x + out_norm(y), y = w(a): the projection ending a block, with the residual add fused into the
- * matmul when there is no sandwich norm (tmp: [batch, hidden] scratch). Under tensor parallelism
- * (shm) w is row-parallel: y is summed over the ranks first, rank 0 adding the residual to its part
- * (layers/linear.py Linear.forward, the same bits). */
-static int block_output(const tm_weight *w, const float *a, int64_t batch, int gated, const float *out_norm,
-                        float eps, float *x, float *tmp, const tm_shm *shm, int num_threads) {
-    const int64_t n = batch * w->out_features;
-    if (out_norm == NULL) {
-        const float *residual = shm == NULL || shm->rank == 0 ? x : NULL;
-        if (plan_matmul(w, a, batch, gated, NULL, 0.0f, residual, x, num_threads)) return 1;
-        return shm != NULL && shm_all_reduce(shm, x, n, 0) ? 3 : 0;
+/* x = x + out_norm(o_proj(attention(rotary(qk_norm(qkv_proj(rmsnorm(x)) + bias))))), K/V to the cache */
+static void attention_block(const stack_step *st, const tm_layer_plan *layer) {
+    const tm_attention_plan *a = &layer->attn;
+    const tm_kv_group *g = &st->groups[a->kv_group];
+    const int64_t batch = st->batch, qkv_n = a->qkv.out_features;
+    plan_matmul_team(&a->qkv, st->x, batch, TM_GATE_NONE, a->norm, a->norm_eps, NULL, st->qkv, &st->mm);
+    if (a->qkv_bias != NULL) {  /* added after the matmul, as the layer loop adds it */
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < batch; i++)
+            for (int64_t j = 0; j < qkv_n; j++) st->qkv[i * qkv_n + j] += a->qkv_bias[j];
     }
-    if (plan_matmul(w, a, batch, gated, NULL, 0.0f, NULL, tmp, num_threads)) return 1;
-    if (shm != NULL && shm_all_reduce(shm, tmp, n, 0)) return 3;
-    add_rmsnorm(x, tmp, out_norm, eps, batch, w->out_features);
-    return 0;
+    paged_decode_rotary_team(st->qkv, layer->rope_local ? st->cos_local : st->cos,
+                             layer->rope_local ? st->sin_local : st->sin, g->slots, a->k_cache, a->v_cache,
+                             (int)a->kv_type, g->block_tables, g->max_blocks, st->seq_lens, st->attn, batch, a->heads,
+                             a->kv_heads, a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap,
+                             a->q_norm, a->k_norm, a->qk_norm_eps, st->num_threads, 0, &st->dec, st->failed);
+    block_output(st, &a->o, st->attn, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps);
+}
+
+/* x = x + out_norm(down_proj(act(gate) * up)), [gate | up] = gate_up_proj(rmsnorm(x)) */
+static void mlp_block(const stack_step *st, const tm_layer_plan *layer) {
+    const tm_mlp_plan *m = &layer->mlp;
+    plan_matmul_team(&m->gate_up, st->x, st->batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, st->gate_up, &st->mm);
+    block_output(st, &m->down, st->gate_up, (int)m->activation, layer->mlp_out_norm, layer->mlp_out_norm_eps);
 }
 
 static int valid_weight(const tm_weight *w) {
@@ -65,56 +103,59 @@ static int valid_plan(const tm_layer_plan *layer, const float *cos_local, int64_
  *   x = x + out_norm(down_proj(act(gate) * up)), [gate | up] = gate_up_proj(rmsnorm(x))
  *       (or x + out_norm(moe(rmsnorm(x))) for a mixture of experts: moe.c)
  * the same kernel calls, in the same order, as the blocks' path in the layer loop (layers/), so the
- * same bits (out_norm: the sandwich norm where a layer has one). Layers may differ in shape: the
- * scratch buffers are sized for the widest. */
+ * same bits (out_norm: the sandwich norm where a layer has one). The layers run in one parallel
+ * region (kernels.h: "Kernels as teams"), left only for a mixture of experts' MLP (sparse_moe runs
+ * its experts in regions of its own). Layers may differ in shape: the scratch is sized for the
+ * widest. */
 int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int64_t batch, const float *cos,
                  const float *sin, const float *cos_local, const float *sin_local, const tm_kv_group *groups,
                  int64_t num_groups, const int64_t *seq_lens, const tm_shm *shm, int num_threads) {
-    int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0;
+    int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0, k_max = 0, kv_heads_min = 0;
     for (int64_t l = 0; l < num_layers; l++) {
-        const tm_attention_plan *a = &layers[l].attn;
-        if (!valid_plan(&layers[l], cos_local, num_groups, shm)) return 2;
-        qkv_max = a->qkv.out_features > qkv_max ? a->qkv.out_features : qkv_max;
-        attn_max = a->heads * a->head_dim > attn_max ? a->heads * a->head_dim : attn_max;
-        gate_up_max = layers[l].mlp.gate_up.out_features > gate_up_max ? layers[l].mlp.gate_up.out_features
-                                                                       : gate_up_max;
-    }
-    const int64_t hidden = num_layers > 0 ? layers[0].attn.qkv.in_features : 0;
-    float *qkv = malloc(sizeof(float) * (size_t)(batch * qkv_max));
-    float *attn = malloc(sizeof(float) * (size_t)(batch * attn_max));
-    float *gate_up = malloc(sizeof(float) * (size_t)(batch * gate_up_max + 1));   /* (0 if every layer is MoE) */
-    float *out = malloc(sizeof(float) * (size_t)(batch * hidden + 1));
-    int failed = qkv == NULL || attn == NULL || gate_up == NULL || out == NULL;
-    for (int64_t l = 0; l < num_layers && !failed; l++) {
         const tm_layer_plan *layer = &layers[l];
         const tm_attention_plan *a = &layer->attn;
-        const tm_mlp_plan *m = &layer->mlp;
-        const tm_kv_group *g = &groups[a->kv_group];
-        const int64_t qkv_n = a->qkv.out_features;
-        failed = plan_matmul(&a->qkv, x, batch, TM_GATE_NONE, a->norm, a->norm_eps, NULL, qkv, num_threads);
-        if (!failed && a->qkv_bias != NULL) {  /* added after the matmul, as the layer loop adds it */
-            for (int64_t i = 0; i < batch; i++)
-                for (int64_t j = 0; j < qkv_n; j++) qkv[i * qkv_n + j] += a->qkv_bias[j];
-        }
-        failed = failed
-              || paged_decode_rotary(
-                     qkv, layer->rope_local ? cos_local : cos, layer->rope_local ? sin_local : sin, g->slots,
-                     a->k_cache, a->v_cache, (int)a->kv_type, g->block_tables, g->max_blocks, seq_lens, attn, batch, a->heads,
-                     a->kv_heads, a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap, a->q_norm,
-                     a->k_norm, a->qk_norm_eps, num_threads, 0);
-        if (!failed)
-            failed = block_output(&a->o, attn, batch, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps,
-                                  x, out, shm, num_threads);
-        if (!failed && layer->moe != NULL) {   /* x + moe(rmsnorm(x)), in place */
-            failed = sparse_moe(layer->moe, x, batch, x, x, num_threads);
-            continue;
-        }
-        if (!failed)
-            failed = plan_matmul(&m->gate_up, x, batch, TM_GATE_NONE, m->norm, m->norm_eps, NULL, gate_up, num_threads);
-        if (!failed)
-            failed = block_output(&m->down, gate_up, batch, (int)m->activation, layer->mlp_out_norm,
-                                  layer->mlp_out_norm_eps, x, out, shm, num_threads);
+        if (!valid_plan(layer, cos_local, num_groups, shm)) return 2;
+        qkv_max = a->qkv.out_features > qkv_max ? a->qkv.out_features : qkv_max;
+        attn_max = a->heads * a->head_dim > attn_max ? a->heads * a->head_dim : attn_max;
+        kv_heads_min = l == 0 || a->kv_heads < kv_heads_min ? a->kv_heads : kv_heads_min;
+        const tm_weight *ws[4] = {&a->qkv, &a->o, layer->moe == NULL ? &layer->mlp.gate_up : NULL,
+                                  layer->moe == NULL ? &layer->mlp.down : NULL};
+        for (int i = 0; i < 4; i++)
+            if (ws[i] != NULL) k_max = ws[i]->in_features > k_max ? ws[i]->in_features : k_max;
+        if (layer->moe == NULL)
+            gate_up_max = layer->mlp.gate_up.out_features > gate_up_max ? layer->mlp.gate_up.out_features : gate_up_max;
     }
-    free(qkv); free(attn); free(gate_up); free(out);
+    const int64_t hidden = num_layers > 0 ? layers[0].attn.qkv.in_features : 0;
+    int failed = 0;
+    stack_step st = {x, batch, cos, sin, cos_local, sin_local, groups, seq_lens, shm, num_threads,
+                     malloc(sizeof(float) * (size_t)(batch * qkv_max + 1)),
+                     malloc(sizeof(float) * (size_t)(batch * attn_max + 1)),
+                     malloc(sizeof(float) * (size_t)(batch * gate_up_max + 1)),   /* (0 if every layer is MoE) */
+                     malloc(sizeof(float) * (size_t)(batch * hidden + 1)), {0}, {0}, &failed};
+    /* (one scratch of each kind, for the widest: every layer's heads x head_dim fit in attn_max) */
+    if (st.qkv == NULL || st.attn == NULL || st.gate_up == NULL || st.out == NULL
+        || matmul_scratch_alloc(&st.mm, batch, k_max)
+        || decode_scratch_alloc(&st.dec, batch, attn_max, kv_heads_min, 1, num_threads))
+        failed = 1;
+    for (int64_t l = 0; l < num_layers && !failed;) {
+        int64_t moe = l;   /* the next mixture-of-experts layer, or num_layers */
+        while (moe < num_layers && layers[moe].moe == NULL) moe++;
+        #pragma omp parallel num_threads(num_threads)
+        for (int64_t i = l; i < num_layers && i <= moe; i++) {
+            int stop;   /* every thread reads it before any goes on (and could fail): they agree */
+            #pragma omp atomic read
+            stop = failed;
+            #pragma omp barrier
+            if (stop) break;
+            attention_block(&st, &layers[i]);
+            if (i < moe) mlp_block(&st, &layers[i]);
+        }
+        if (moe < num_layers && !failed)   /* x + moe(rmsnorm(x)), in place */
+            failed = sparse_moe(layers[moe].moe, x, batch, x, x, num_threads);
+        l = moe + 1;
+    }
+    free(st.qkv); free(st.attn); free(st.gate_up); free(st.out);
+    matmul_scratch_free(&st.mm);
+    decode_scratch_free(&st.dec);
     return failed;
 }

@@ -155,8 +155,42 @@ int quant_matmul_has_simd(void);
 int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated, const float *norm_w,
                 float eps, const float *residual, float *y, int generic, int num_threads);
 
-/* The matmul of a plan's weight (decode_stack's layers, sparse_moe's experts): quant_matmul, or bf16_matmul
- * for a dense one. */
+/* Kernels as teams. A parallel region costs its threads a start and an end (about three barriers'
+ * time), which at one row per step adds up over a decode step's ~150 kernel calls; so decode_stack
+ * runs its layers in one region, and calls these forms of the kernels: every thread of the region
+ * calls them alike (one thread outside any region runs them alone), their loops are orphaned
+ * `omp for`s, each ending in a barrier, and their scratch is allocated by the caller, shared by the
+ * team. The functions above are these inside a region of their own. */
+
+/* A matmul's scratch for up to `rows` rows of k inputs: quantized planes and their scales (q [rows][2k],
+ * dx, bx [rows][k / 32]; x16 on AVX2 builds), the rows after the fused input ops (rows [rows][k]) and
+ * dense_matmul's permuted rows (xp, 64-byte aligned). */
+typedef struct {
+    int8_t *q;
+    float *dx, *bx;
+    int16_t *x16;
+    float *rows, *xp;
+} tm_matmul_scratch;
+int matmul_scratch_alloc(tm_matmul_scratch *s, int64_t rows, int64_t k);   /* 1 if out of memory */
+void matmul_scratch_free(tm_matmul_scratch *s);
+void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *w, int gated, const float *norm_w, float eps,
+                       const float *residual, float *y, int generic, const tm_matmul_scratch *s);
+void bf16_matmul_team(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated,
+                      const float *norm_w, float eps, const float *residual, float *y, int generic,
+                      const tm_matmul_scratch *s);
+
+/* The matmul of a plan's weight in a team (decode_stack): quant_matmul_team, or bf16_matmul_team for
+ * a dense one. */
+static inline void plan_matmul_team(const tm_weight *w, const float *x, int64_t rows, int gated, const float *norm_w,
+                                    float eps, const float *residual, float *y, const tm_matmul_scratch *s) {
+    if (w->bits == 16)
+        bf16_matmul_team(x, rows, w->in_features, (const uint16_t *)w->packed, w->out_features, gated, norm_w, eps,
+                         residual, y, 0, s);
+    else
+        quant_matmul_team(x, rows, w, gated, norm_w, eps, residual, y, 0, s);
+}
+
+/* The matmul of a plan's weight (sparse_moe's experts): quant_matmul, or bf16_matmul for a dense one. */
 static inline int plan_matmul(const tm_weight *w, const float *x, int64_t rows, int gated, const float *norm_w,
                               float eps, const float *residual, float *y, int num_threads) {
     if (w->bits == 16)
@@ -198,6 +232,25 @@ int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, co
                         const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
                         const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic);
+/* A decode step's scratch for a team (paged_decode.c): the rotated queries [batch][heads][head_dim],
+ * each request's runs and keys per run [2 batch + 1] (flash-decoding's split), and the runs'
+ * partial outputs and softmax stats, for up to `heads` x head_dim per request. */
+typedef struct {
+    float *q;
+    int64_t *runs;
+    float *part, *stats;
+} tm_decode_scratch;
+int decode_scratch_alloc(tm_decode_scratch *s, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int num_threads);   /* 1 if out of memory */
+void decode_scratch_free(tm_decode_scratch *s);
+/* paged_decode_rotary in a team (above: "Kernels as teams"); *failed set to 1 if out of memory. The kv_type
+ * must be a valid one. */
+void paged_decode_rotary_team(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
+                              void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
+                              const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                              const float *q_norm, const float *k_norm, float norm_eps, int num_threads, int generic,
+                              const tm_decode_scratch *sc, int *failed);
 /* Causal prefill attention of one request's last num_q positions (paged_prefill.c, AVX-512 and AVX2
  * builds): q/out [num_q, heads, head_dim], table its block table. Returns -1 where it does not apply. */
 int paged_prefill(const float *q, const void *k, const void *v, int kv_type, const int64_t *table, int64_t seq_len,

@@ -400,68 +400,86 @@ static void combine_runs(const decode_step *a, int64_t b, int64_t runs, const fl
     }
 }
 
-/* Every (request, kv head) task of the step in parallel, split as above when there are too few.
- * Returns 1 if out of memory. */
-static int decode(const decode_step *a, int kv_type, int generic, int num_threads) {
+/* The most runs a request's keys are split into: enough for SPLIT_TASKS_PER_THREAD tasks per thread. */
+static int64_t split_limit(int64_t tasks, int num_threads) {
+    const int64_t wanted = (int64_t)SPLIT_TASKS_PER_THREAD * num_threads;
+    return num_threads > 1 && tasks < wanted ? (wanted + tasks - 1) / tasks : 1;
+}
+
+int decode_scratch_alloc(tm_decode_scratch *s, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int num_threads) {
+    const int64_t width = split_limit(batch * kv_heads, num_threads);
+    *s = (tm_decode_scratch){
+        .q = malloc(sizeof(float) * (size_t)(batch * heads * head_dim + 1)),
+        .runs = malloc(sizeof(int64_t) * (size_t)(2 * batch + 1)),
+        .part = malloc(sizeof(float) * (size_t)(batch * width * heads * head_dim + 1)),
+        .stats = malloc(sizeof(float) * (size_t)(batch * width * heads * 2 + 1))};
+    if (s->q == NULL || s->runs == NULL || s->part == NULL || s->stats == NULL) {
+        decode_scratch_free(s);
+        return 1;
+    }
+    return 0;
+}
+
+void decode_scratch_free(tm_decode_scratch *s) {
+    free(s->q); free(s->runs); free(s->part); free(s->stats);
+    *s = (tm_decode_scratch){0};
+}
+
+/* Every (request, kv head) task of the step, split as above when there are too few, by the team
+ * (kernels.h); *failed set to 1 if out of memory. */
+static void decode_team(const decode_step *a, int kv_type, int generic, int num_threads, const tm_decode_scratch *sc,
+                        int *failed) {
 #ifdef HAVE_VF
     const int use_simd = !generic && a->head_dim % 16 == 0 && a->head_dim <= 16 * MAX_CHUNKS;
 #else
     (void)generic;
     const int use_simd = 0;
 #endif
-    const int64_t tasks = a->batch * a->kv_heads, wanted = (int64_t)SPLIT_TASKS_PER_THREAD * num_threads;
-    const int64_t max_splits = num_threads > 1 && tasks < wanted ? (wanted + tasks - 1) / tasks : 1;
-    /* runs per request and keys per run, from its length */
-    int64_t *runs = malloc(sizeof(int64_t) * (size_t)(2 * a->batch + 1));
-    if (runs == NULL) return 1;
-    int64_t *per_run = runs + a->batch, split_any = 0;
-    for (int64_t b = 0; b < a->batch; b++) {
-        const decode_task t = task_of(a, b, 0);
-        const int64_t n = t.len - t.first, most = n / SPLIT_MIN_KEYS;
-        int64_t r = most < max_splits ? most : max_splits;
-        if (r < 1) r = 1;
-        per_run[b] = (n + r - 1) / r;
-        per_run[b] = (per_run[b] + a->block_size - 1) / a->block_size * a->block_size;   /* whole blocks */
-        runs[b] = per_run[b] > 0 ? (n + per_run[b] - 1) / per_run[b] : 1;
-        split_any |= runs[b] > 1;
-    }
-    const int64_t width = split_any ? max_splits : 1;   /* runs' stride in the scratch below */
-    float *part = NULL, *stats = NULL;
-    if (split_any) {
-        part = malloc(sizeof(float) * (size_t)(a->batch * width * a->heads * a->head_dim));
-        stats = malloc(sizeof(float) * (size_t)(a->batch * width * a->heads * 2));
-        if (part == NULL || stats == NULL) { free(part); free(stats); free(runs); return 1; }
-    }
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads)
+    const int64_t max_splits = split_limit(a->batch * a->kv_heads, num_threads);
+    /* runs per request and keys per run, from its length; runs[2 batch]: 1 if any request is split */
+    int64_t *runs = sc->runs, *per_run = sc->runs + a->batch;
+    #pragma omp single
     {
-        #pragma omp for collapse(3) schedule(dynamic)
-        for (int64_t b = 0; b < a->batch; b++)
-            for (int64_t s = 0; s < width; s++)
-                for (int64_t kh = 0; kh < a->kv_heads; kh++) {
-                    if (s >= runs[b]) continue;
-                    decode_task t = task_of(a, b, kh);
-                    if (runs[b] > 1) {   /* a run of the request's keys, into the scratch */
-                        const int64_t at = (b * width + s) * a->heads + kh * t.group;
-                        split_range(&t, s, per_run[b]);
-                        t.out = part + at * a->head_dim;
-                        t.stats = stats + at * 2;
-                    }
-                    if (run_task(&t, kv_type, use_simd)) {
-                        #pragma omp atomic write
-                        failed = 1;
-                    }
-                }
-        if (split_any) {
-            #pragma omp for schedule(static)
-            for (int64_t b = 0; b < a->batch; b++)
-                if (runs[b] > 1)
-                    combine_runs(a, b, runs[b], part + b * width * a->heads * a->head_dim,
-                                 stats + b * width * a->heads * 2);
+        int64_t split_any = 0;
+        for (int64_t b = 0; b < a->batch; b++) {
+            const decode_task t = task_of(a, b, 0);
+            const int64_t n = t.len - t.first, most = n / SPLIT_MIN_KEYS;
+            int64_t r = most < max_splits ? most : max_splits;
+            if (r < 1) r = 1;
+            per_run[b] = (n + r - 1) / r;
+            per_run[b] = (per_run[b] + a->block_size - 1) / a->block_size * a->block_size;   /* whole blocks */
+            runs[b] = per_run[b] > 0 ? (n + per_run[b] - 1) / per_run[b] : 1;
+            split_any |= runs[b] > 1;
         }
+        runs[2 * a->batch] = split_any;
     }
-    free(part); free(stats); free(runs);
-    return failed;
+    const int64_t split_any = runs[2 * a->batch];
+    const int64_t width = split_any ? max_splits : 1;   /* runs' stride in the scratch below */
+    float *part = sc->part, *stats = sc->stats;
+    #pragma omp for collapse(3) schedule(dynamic)
+    for (int64_t b = 0; b < a->batch; b++)
+        for (int64_t s = 0; s < width; s++)
+            for (int64_t kh = 0; kh < a->kv_heads; kh++) {
+                if (s >= runs[b]) continue;
+                decode_task t = task_of(a, b, kh);
+                if (runs[b] > 1) {   /* a run of the request's keys, into the scratch */
+                    const int64_t at = (b * width + s) * a->heads + kh * t.group;
+                    split_range(&t, s, per_run[b]);
+                    t.out = part + at * a->head_dim;
+                    t.stats = stats + at * 2;
+                }
+                if (run_task(&t, kv_type, use_simd)) {
+                    #pragma omp atomic write
+                    *failed = 1;
+                }
+            }
+    if (split_any) {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < a->batch; b++)
+            if (runs[b] > 1)
+                combine_runs(a, b, runs[b], part + b * width * a->heads * a->head_dim, stats + b * width * a->heads * 2);
+    }
 }
 
 static int valid_kv_type(int kv_type) {
@@ -475,7 +493,13 @@ int paged_decode(const float *q, const void *k, const void *v, int kv_type, cons
     if (!valid_kv_type(kv_type)) return 2;
     const decode_step a = {q, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
                            block_size, window, scale, softcap};
-    return decode(&a, kv_type, generic, num_threads);
+    tm_decode_scratch sc;
+    if (decode_scratch_alloc(&sc, batch, heads, kv_heads, head_dim, num_threads)) return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    decode_team(&a, kv_type, generic, num_threads, &sc, &failed);
+    decode_scratch_free(&sc);
+    return failed;
 }
 
 /* ---- decode with the rotary embedding and the cache write fused in ----
@@ -505,16 +529,17 @@ static void norm_rotate(const float *x, const float *w, float eps, const float *
     rotate(x, cos, sin, d, out);
 }
 
-static int decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
-                         void *v, const float *q_norm, const float *k_norm, float norm_eps, decode_step *a,
-                         int kv_type, int generic, int num_threads) {
-    const int64_t heads = a->heads, kv_heads = a->kv_heads, head_dim = a->head_dim;
+void paged_decode_rotary_team(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
+                              void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
+                              const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
+                              const float *q_norm, const float *k_norm, float norm_eps, int num_threads, int generic,
+                              const tm_decode_scratch *sc, int *failed) {
     const int64_t kv_row = kv_row_elems(head_dim, kv_type);
     const int64_t width = (heads + 2 * kv_heads) * head_dim;
-    float *q = malloc(sizeof(float) * (size_t)(a->batch * heads * head_dim));
-    if (q == NULL) return 1;
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (a->batch > 1)
-    for (int64_t b = 0; b < a->batch; b++) {
+    float *q = sc->q;
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < batch; b++) {
         const float *row = qkv + b * width, *c = cos + b * head_dim, *s = sin + b * head_dim;
         float rotated[512], scratch[512];
         for (int64_t h = 0; h < heads; h++)
@@ -527,10 +552,9 @@ static int decode_rotary(const float *qkv, const float *cos, const float *sin, c
             kv_store_row(v, dst, row + (heads + kv_heads + kh) * head_dim, head_dim, kv_type);
         }
     }
-    a->q = q;
-    const int failed = decode(a, kv_type, generic, num_threads);
-    free(q);
-    return failed;
+    const decode_step a = {q, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
+                           block_size, window, scale, softcap};
+    decode_team(&a, kv_type, generic, num_threads, sc, failed);
 }
 
 int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
@@ -539,7 +563,13 @@ int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, co
                         int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
                         const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic) {
     if (!valid_kv_type(kv_type)) return 2;
-    decode_step a = {NULL, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
-                     block_size, window, scale, softcap};
-    return decode_rotary(qkv, cos, sin, slots, k, v, q_norm, k_norm, qk_norm_eps, &a, kv_type, generic, num_threads);
+    tm_decode_scratch sc;
+    if (decode_scratch_alloc(&sc, batch, heads, kv_heads, head_dim, num_threads)) return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    paged_decode_rotary_team(qkv, cos, sin, slots, k, v, kv_type, block_tables, max_blocks, seq_lens, out, batch,
+                             heads, kv_heads, head_dim, block_size, scale, window, softcap, q_norm, k_norm, qk_norm_eps,
+                             num_threads, generic, &sc, &failed);
+    decode_scratch_free(&sc);
+    return failed;
 }

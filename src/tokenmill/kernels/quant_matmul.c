@@ -373,6 +373,68 @@ __attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_
 #define MBLOCK 8
 #define ROW_CHUNK 64
 
+int matmul_scratch_alloc(tm_matmul_scratch *s, int64_t rows, int64_t k) {
+    const size_t n = (size_t)(rows * k > 0 ? rows * k : 1), groups = (size_t)(rows * (k / GROUP) + 1);
+    *s = (tm_matmul_scratch){
+        .q = aligned_alloc(64, (2 * n + 63) / 64 * 64), .dx = malloc(sizeof(float) * groups),
+        .bx = malloc(sizeof(float) * groups), .x16 = AVX2_TILES ? malloc(sizeof(int16_t) * n) : NULL,
+        .rows = malloc(sizeof(float) * n), .xp = aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64)};
+    if (s->q == NULL || s->dx == NULL || s->bx == NULL || (AVX2_TILES && s->x16 == NULL) || s->rows == NULL
+        || s->xp == NULL) {
+        matmul_scratch_free(s);
+        return 1;
+    }
+    return 0;
+}
+
+void matmul_scratch_free(tm_matmul_scratch *s) {
+    free(s->q); free(s->dx); free(s->bx); free(s->x16); free(s->rows); free(s->xp);
+    *s = (tm_matmul_scratch){0};
+}
+
+void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, int gated, const float *norm_w,
+                       float eps, const float *residual, float *y, int generic, const tm_matmul_scratch *s) {
+    const int64_t k = weight->in_features, n = weight->out_features;
+    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
+    const int fused = gated || norm_w != NULL;
+    /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
+    const tile_job job = {weight->packed, weight->scales, weight->offsets, (float)weight->zero, (int)weight->bits,
+                          groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < mrows; i++) {
+        const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, s->rows + (fused ? i * k : 0), generic);
+        quantize_row(row, k, s->q + 2 * i * k, s->q + 2 * i * k + k, s->dx + i * groups, s->bx + i * groups);
+#if AVX2_TILES
+        combine_planes(s->q + 2 * i * k, s->q + 2 * i * k + k, k, s->x16 + i * k);
+#endif
+    }
+    /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of the
+     * weight passes over them (a prefill chunk's rows would not). */
+    for (int64_t first = 0; first < mrows; first += ROW_CHUNK) {
+        const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
+        const int64_t mblocks = (last - first + MBLOCK - 1) / MBLOCK;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t b = 0; b < mblocks; b++) {
+                const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
+                const int64_t i = first + b * MBLOCK, end = i + MBLOCK < last ? i + MBLOCK : last;
+#ifdef HAVE_VNNI
+                if (!generic) {
+                    tile_rows_vnni(&job, t, i, end, nrows);
+                    continue;
+                }
+#elif AVX2_TILES
+                if (!generic) {
+                    tile_rows_avx2(&job, t, i, end, nrows);
+                    continue;
+                }
+#endif
+                tile_generic(&job, t, i, end - i, nrows);
+            }
+        }
+    }
+}
+
 /* y [M, N] fp32 = f(x) @ W^T (+ residual [M, N] when not NULL), f the fused input ops of
  * prepare_row (x is [M, 2K] when gated, else [M, K]; gated is a TM_GATE_*). K is a multiple of 32; W has ceil(N / 16)
  * tiles. generic = 1 forces the portable path (the reference the tests hold the SIMD path to).
@@ -380,58 +442,11 @@ __attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_
 int quant_matmul(const float *x, int64_t mrows, const tm_weight *weight, int gated, const float *norm_w, float eps,
                  const float *residual, float *y, int generic, int num_threads) {
     const int64_t k = weight->in_features, n = weight->out_features;
-    const int bits = (int)weight->bits;
-    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
-    const int fused = gated || norm_w != NULL;
-    int8_t *q = aligned_alloc(64, (size_t)((2 * mrows * k + 63) / 64 * 64));  /* per row: hi, lo planes */
-    float *dx = malloc(sizeof(float) * (size_t)(mrows * groups));
-    float *bx = malloc(sizeof(float) * (size_t)(mrows * groups));
-    int16_t *x16 = AVX2_TILES ? malloc(sizeof(int16_t) * (size_t)(mrows * k)) : NULL;   /* tile_avx2's plane */
-    float *tmp = fused ? malloc(sizeof(float) * (size_t)(mrows * k)) : NULL;
-    if (q == NULL || dx == NULL || bx == NULL || (AVX2_TILES && x16 == NULL) || (fused && tmp == NULL)) {
-        free(q); free(dx); free(bx); free(x16); free(tmp);
-        return 1;
-    }
+    tm_matmul_scratch s;
+    if (matmul_scratch_alloc(&s, mrows, k)) return 1;
     #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
-    {
-        /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
-        const tile_job job = {weight->packed, weight->scales, weight->offsets, (float)weight->zero, bits, groups, k, n,
-                              q, dx, bx, x16, residual, y};
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < mrows; i++) {
-            const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, tmp + (fused ? i * k : 0), generic);
-            quantize_row(row, k, q + 2 * i * k, q + 2 * i * k + k, dx + i * groups, bx + i * groups);
-#if AVX2_TILES
-            combine_planes(q + 2 * i * k, q + 2 * i * k + k, k, x16 + i * k);
-#endif
-        }
-        /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of
-         * the weight passes over them (a prefill chunk's rows would not). */
-        for (int64_t first = 0; first < mrows; first += ROW_CHUNK) {
-            const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
-            const int64_t mblocks = (last - first + MBLOCK - 1) / MBLOCK;
-            #pragma omp for collapse(2) schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                for (int64_t b = 0; b < mblocks; b++) {
-                    const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
-                    const int64_t i = first + b * MBLOCK, end = i + MBLOCK < last ? i + MBLOCK : last;
-#ifdef HAVE_VNNI
-                    if (!generic) {
-                        tile_rows_vnni(&job, t, i, end, nrows);
-                        continue;
-                    }
-#elif AVX2_TILES
-                    if (!generic) {
-                        tile_rows_avx2(&job, t, i, end, nrows);
-                        continue;
-                    }
-#endif
-                    tile_generic(&job, t, i, end - i, nrows);
-                }
-            }
-        }
-    }
-    free(q); free(dx); free(bx); free(x16); free(tmp);
+    quant_matmul_team(x, mrows, weight, gated, norm_w, eps, residual, y, generic, &s);
+    matmul_scratch_free(&s);
     return 0;
 }
 

@@ -1,10 +1,11 @@
 /* The C kernels' one header: the plan structs that Python builds (kernels/__init__.py mirrors them
  * with ctypes; tests/test_kernels.py checks the sizes agree) and every exported function, each
  * defined in one unit:
- *   paged_decode.c   paged_decode, paged_decode_rotary
+ *   paged_decode.c   paged_decode, paged_decode_rotary, paged_decode_rotary_team, decode_scratch_alloc / _free
  *   paged_prefill.c  paged_prefill, paged_prefill_available, paged_prefill_bf16_dots
- *   quant_matmul.c   quant_matmul, quant_matmul_has_simd, quant_rows
- *   dense_matmul.c   bf16_matmul
+ *   quant_matmul.c   quant_matmul, quant_matmul_team, quant_matmul_has_simd, quant_rows,
+ *                    matmul_scratch_alloc / _free
+ *   dense_matmul.c   bf16_matmul, bf16_matmul_team
  *   moe.c            sparse_moe
  *   kernels.c        decode_stack, plan_struct_size
  *   norm.c           rms_norm
@@ -160,7 +161,8 @@ int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t
  * runs its layers in one region, and calls these forms of the kernels: every thread of the region
  * calls them alike (one thread outside any region runs them alone), their loops are orphaned
  * `omp for`s, each ending in a barrier, and their scratch is allocated by the caller, shared by the
- * team. The functions above are these inside a region of their own. */
+ * team. quant_matmul, bf16_matmul, paged_decode and paged_decode_rotary are these inside a region of
+ * their own. */
 
 /* A matmul's scratch for up to `rows` rows of k inputs: quantized planes and their scales (q [rows][2k],
  * dx, bx [rows][k / 32]; x16 on AVX2 builds), the rows after the fused input ops (rows [rows][k]) and

@@ -986,10 +986,11 @@ def test_avx2_build_attention_kernels_equal_exact_attention(monkeypatch):
 
 @pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 17, 576), (3, 5, 1536), (4, 64, 64), (8, 7, 96),
-                                           (2, 3, 80)])   # k = 80: not a multiple of 32, portable loops
+                                           (2, 3, 80), (2, 3, 72)])
 def test_bf16_matmul_equals_the_exact_product(generic, m, n, k):
     """The dense bf16 kernel: products of fp32 activations and bf16 weights summed in fp32 == the
-    float64 product (AVX-512 blocks of 4 x 4 with partial ones, and the portable loops)."""
+    float64 product (SIMD blocks of 4 weight rows x 4 (AVX-512) or 2 (AVX2) activation rows with
+    partial ones, and the portable loops: k = 80 is not a multiple of AVX-512's 32, k = 72 of AVX2's 16)."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16)
     got = kernels.bf16_matmul(x, w, generic=generic)

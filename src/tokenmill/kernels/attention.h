@@ -194,24 +194,8 @@ static ALWAYS_INLINE void from_row_order(const int CH, const int kv_type, __m256
 }
 #endif
 
-/* ---- vf: a float vector of VW lanes, the widest this build has (AVX-512: 16, AVX2: 8) ----
- * The few operations a kernel written once for either width needs (paged_prefill.c, paged_decode.c). */
+/* The attention kernels' vf operations (simd.h has the basic ones). */
 #if defined(HAVE_AVX512)
-#define HAVE_VF 1
-#define VW 16
-typedef __m512 vf;
-static inline vf vf_load(const float *p) { return _mm512_load_ps(p); }
-static inline vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
-static inline void vf_store(float *p, vf x) { _mm512_store_ps(p, x); }
-static inline void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
-static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
-static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
-static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vf_reduce_max(vf x) { return _mm512_reduce_max_ps(x); }
-static inline float vf_reduce_add(vf x) { return _mm512_reduce_add_ps(x); }
 static inline vf vf_exp_nonpositive(vf x) { return exp_nonpositive(x); }
 static inline vf vf_softcap(vf s, float softcap) { return softcap512(s, softcap); }
 /* s where key j0 + lane is seen from position pos (j <= pos, and j > pos - window when window > 0),
@@ -224,29 +208,6 @@ static inline vf vf_causal(vf s, int64_t j0, int64_t pos, int64_t window) {
     return _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), s);
 }
 #elif defined(HAVE_AVX2)
-#define HAVE_VF 1
-#define VW 8
-typedef __m256 vf;
-static inline vf vf_load(const float *p) { return _mm256_load_ps(p); }
-static inline vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
-static inline void vf_store(float *p, vf x) { _mm256_store_ps(p, x); }
-static inline void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
-static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
-static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
-static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vf_reduce_max(vf x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-static inline float vf_reduce_add(vf x) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
 static inline vf vf_exp_nonpositive(vf x) {   /* below -87, 0 */
     return _mm256_and_ps(exp256(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
 }

@@ -7,11 +7,11 @@
  * f(x)[i][c] w[j][c] (+ residual[i][j]), the products exact in fp32 (a bf16 value is an fp32 value)
  * and summed in fp32; f: the fused input ops of rows.h, as quant_matmul's.
  *
- * AVX-512 (k a multiple of 32): each 32 weights of a row come from one 64-byte load as two vectors,
- * their even and odd elements (a shift and a mask: attention.h's row order), so the activation rows
- * are permuted to that order once per call; 4 weight rows x up to 4 activation rows are 16
- * independent FMA chains. Output rows are split across threads. Portable C loops elsewhere (and as
- * the tests' reference). */
+ * SIMD (simd.h's vf: AVX-512 or AVX2; k a multiple of 2 VW): each 2 VW weights of a row come from one
+ * load as two vectors, their even and odd elements (a shift and a mask: attention.h's row order), so
+ * the activation rows are permuted to that order once per call; 4 weight rows x up to MB activation
+ * rows are independent FMA chains. Output rows are split across threads. Portable C loops elsewhere
+ * (and as the tests' reference): a scalar loop, several times slower than PyTorch's bf16 matmul. */
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -19,7 +19,13 @@
 #include "simd.h"
 
 #define NB 4   /* weight rows per block */
-#define MB 4   /* activation rows per block */
+/* activation rows per block: AVX-512's 32 registers hold 4 x 4 accumulators; AVX2's 16 hold 2 x 4,
+ * the rows' 4 vectors and a weight's 2 */
+#if defined(HAVE_VF) && VW == 8
+#define MB 2
+#else
+#define MB 4
+#endif
 
 static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
                           float *y) {
@@ -35,33 +41,45 @@ static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *
         }
 }
 
-#ifdef HAVE_AVX512
+#ifdef HAVE_VF
+/* A weight row's 2 VW bf16 values from p as two float vectors, its even and odd elements (one load,
+ * a shift and a mask: attention.h's row order). */
+static inline void bf16_pair(const uint16_t *p, vf *even, vf *odd) {
+#if VW == 16
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+#else
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+#endif
+}
+
 /* Rows [i0, i0 + MR) of x (permuted: xp) against weight rows [j0, j0 + NR) (MR, NR constant at the
- * call site, so the 16 accumulators stay in registers). */
+ * call site, so the MR x NR accumulators stay in registers). */
 static ALWAYS_INLINE void dense_block(const int MR, const int NR, const float *xp, int64_t k, const uint16_t *w,
                                       int64_t n, const float *residual, float *y, int64_t i0, int64_t j0) {
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 acc[MB][NB];
+    vf acc[MB][NB];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k; c += 32) {
-        __m512 even[NB], odd[NB];
-        for (int j = 0; j < NR; j++) {
-            prefetch_ahead(w + (j0 + j) * k + c, 64);   /* (a thread's rows lie one after another in memory) */
-            const __m512i v = _mm512_loadu_si512(w + (j0 + j) * k + c);
-            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-        }
+        for (int j = 0; j < NR; j++) acc[i][j] = vf_set1(0.0f);
+    for (int64_t c = 0; c < k; c += 2 * VW) {
+        vf xe[MB], xo[MB];
         for (int i = 0; i < MR; i++) {
-            const __m512 xe = _mm512_loadu_ps(xp + (i0 + i) * k + c), xo = _mm512_loadu_ps(xp + (i0 + i) * k + c + 16);
-            for (int j = 0; j < NR; j++)
-                acc[i][j] = _mm512_fmadd_ps(xo, odd[j], _mm512_fmadd_ps(xe, even[j], acc[i][j]));
+            xe[i] = vf_loadu(xp + (i0 + i) * k + c);
+            xo[i] = vf_loadu(xp + (i0 + i) * k + c + VW);
+        }
+        for (int j = 0; j < NR; j++) {
+            prefetch_ahead(w + (j0 + j) * k + c, 4 * VW);   /* (a thread's rows lie one after another in memory) */
+            vf even, odd;
+            bf16_pair(w + (j0 + j) * k + c, &even, &odd);
+            for (int i = 0; i < MR; i++) acc[i][j] = vf_fmadd(xo[i], odd, vf_fmadd(xe[i], even, acc[i][j]));
         }
     }
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) {
             const int64_t at = (i0 + i) * n + j0 + j;
-            const float sum = _mm512_reduce_add_ps(acc[i][j]);
+            const float sum = vf_reduce_add(acc[i][j]);
             y[at] = residual != NULL ? sum + residual[at] : sum;
         }
 }
@@ -77,24 +95,29 @@ static ALWAYS_INLINE void dense_rows(const int MR, const float *xp, int64_t k, c
 }
 
 /* x's rows are already prepared (f applied); xp: scratch [m, k], 64-byte aligned. */
-static void dense_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
-                         float *y, float *xp) {
+static void dense_simd(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *residual,
+                       float *y, float *xp) {
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; i++)   /* x in the weights' even/odd order */
-        for (int64_t c = 0; c < k; c += 32)
-            for (int64_t e = 0; e < 16; e++) {
+        for (int64_t c = 0; c < k; c += 2 * VW)
+            for (int64_t e = 0; e < VW; e++) {
                 xp[i * k + c + e] = x[i * k + c + 2 * e];
-                xp[i * k + c + 16 + e] = x[i * k + c + 2 * e + 1];
+                xp[i * k + c + VW + e] = x[i * k + c + 2 * e + 1];
             }
     #pragma omp for schedule(static)
     for (int64_t jb = 0; jb < (n + NB - 1) / NB; jb++)
         for (int64_t i0 = 0; i0 < m; i0 += MB) {
+#if MB == 4
             switch (m - i0 < MB ? m - i0 : MB) {
                 case 1: dense_rows(1, xp, k, w, n, residual, y, i0, jb * NB); break;
                 case 2: dense_rows(2, xp, k, w, n, residual, y, i0, jb * NB); break;
                 case 3: dense_rows(3, xp, k, w, n, residual, y, i0, jb * NB); break;
                 default: dense_rows(MB, xp, k, w, n, residual, y, i0, jb * NB); break;
             }
+#else
+            if (m - i0 == 1) dense_rows(1, xp, k, w, n, residual, y, i0, jb * NB);
+            else dense_rows(MB, xp, k, w, n, residual, y, i0, jb * NB);
+#endif
         }
 }
 #endif
@@ -104,8 +127,8 @@ void bf16_matmul_team(const float *x, int64_t m, int64_t k, const uint16_t *w, i
                       const tm_matmul_scratch *s) {
     const int fused = gated || norm_w != NULL;
     const int64_t ldx = gated ? 2 * k : k;
-#ifdef HAVE_AVX512
-    const int simd = !generic && k % 32 == 0;
+#ifdef HAVE_VF
+    const int simd = !generic && k % (2 * VW) == 0;
 #else
     const int simd = 0;
 #endif
@@ -114,9 +137,9 @@ void bf16_matmul_team(const float *x, int64_t m, int64_t k, const uint16_t *w, i
         for (int64_t i = 0; i < m; i++) prepare_row(x + i * ldx, k, gated, norm_w, eps, s->rows + i * k, generic);
     }
     const float *in = fused ? s->rows : x;
-#ifdef HAVE_AVX512
+#ifdef HAVE_VF
     if (simd) {
-        dense_avx512(in, m, k, w, n, residual, y, s->xp);
+        dense_simd(in, m, k, w, n, residual, y, s->xp);
         return;
     }
 #endif

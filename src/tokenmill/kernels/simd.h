@@ -135,6 +135,51 @@ static inline __m256 tanh256(__m256 x) {
 }
 #endif
 
+/* ---- vf: a float vector of VW lanes, the widest this build has (AVX-512: 16, AVX2: 8) ----
+ * The few operations a kernel written once for either width needs (dense_matmul.c, paged_prefill.c,
+ * paged_decode.c; attention.h adds the attention's own). */
+#if defined(HAVE_AVX512)
+#define HAVE_VF 1
+#define VW 16
+typedef __m512 vf;
+static inline vf vf_load(const float *p) { return _mm512_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf x) { _mm512_store_ps(p, x); }
+static inline void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vf_reduce_max(vf x) { return _mm512_reduce_max_ps(x); }
+static inline float vf_reduce_add(vf x) { return _mm512_reduce_add_ps(x); }
+#elif defined(HAVE_AVX2)
+#define HAVE_VF 1
+#define VW 8
+typedef __m256 vf;
+static inline vf vf_load(const float *p) { return _mm256_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf x) { _mm256_store_ps(p, x); }
+static inline void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vf_reduce_max(vf x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+static inline float vf_reduce_add(vf x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+#endif
+
 /* ---- float sums in one fixed order in every build ----
  * 16 lanes, lane j summing elements j, j + 16, j + 32, ... in turn (lanes past a short row's end
  * hold 0); then lanes j and j + w for w = 8, 4, 2, 1. With `squares`, each element is squared and

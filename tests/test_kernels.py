@@ -947,6 +947,27 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
         assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+def test_avx2_build_bf16_matmul_equals_the_exact_product(monkeypatch):
+    """The dense bf16 kernel compiled for x86-64-v3 (8-lane vectors, blocks of 4 weight rows x 2
+    activation rows) == the float64 product: 1 to 5 rows (runs of 2 and 1), partial weight blocks,
+    k a multiple of 16 and not (72: the portable loops). That the SIMD loop ran shows in the bits: it
+    sums in another order than the portable loop."""
+    if not all(f in kernels.cpu_flags().split() for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    g = torch.Generator().manual_seed(5)
+    cases = [(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16))
+             for m, n, k in [(1, 17, 576), (2, 6, 80), (3, 5, 1536), (5, 9, 96), (2, 3, 72)]]
+    monkeypatch.setattr(kernels, "_FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in kernels._FLAGS])
+    _clear_kernel_caches()
+    try:
+        got = [(kernels.bf16_matmul(x, w), kernels.bf16_matmul(x, w, generic=True)) for x, w in cases]
+    finally:
+        _clear_kernel_caches()
+    for (x, w), (simd, portable) in zip(cases, got, strict=True):
+        torch.testing.assert_close(simd.double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
+        assert torch.equal(simd, portable) == (x.shape[1] == 72)
+
+
 def test_avx2_build_attention_kernels_equal_exact_attention(monkeypatch):
     """The attention kernels compiled for x86-64-v3 (their SIMD code on 8-lane vectors, where an
     AVX-512 machine runs 16) == float64 attention: decode and prefill, every cache dtype (a bf16 row in

@@ -1,18 +1,41 @@
-"""dtype 'auto' follows the hardware: bf16 only where the CPU multiplies bf16 natively, and float32 for
-quantized execution on a CPU (its kernels take float32 activations)."""
+"""dtype 'auto' follows the hardware: bf16 for dense weights (on a CPU without bf16 units too: a decode
+step reads half the bytes, and the many-row products run in float32), and float32 for quantized
+execution on a CPU (its kernels take float32 activations)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenmill import TokenmillError, config
+from tokenmill.layers import linear
 
 
-@pytest.mark.parametrize("fast_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_dtype_on_cpu_follows_bf16_support(monkeypatch, fast_bf16, expected):
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_dtype_on_cpu_is_bf16_for_dense_weights(monkeypatch, fast_bf16):
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: fast_bf16)
-    assert config.resolve_dtype("auto", torch.device("cpu")) == expected
+    assert config.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_prefill_products_run_in_float32_without_bf16_units(monkeypatch, fast_bf16):
+    """A bf16 CPU weight's many-row product: PyTorch's bf16 matmul where the CPU has bf16 units, else
+    (where PyTorch emulates it, several times slower) float32 products of the same bf16 values, exact,
+    rounded once to bf16: the same values as PyTorch's emulation, which also sums in float32."""
+    monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: fast_bf16)
+    g = torch.Generator().manual_seed(0)
+    layer = linear.Linear(96, 40, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=g))
+        layer.bias.copy_(torch.randn(40, generator=g))
+    x = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+    real, dtypes = F.linear, []
+    monkeypatch.setattr(F, "linear", lambda *a: dtypes.append(a[1].dtype) or real(*a))
+    got = layer.dense(x, layer.weight, layer.bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert dtypes == [torch.bfloat16 if fast_bf16 else torch.float32]
 
 
 def test_auto_dtype_is_float32_for_quantized_execution_on_cpu(monkeypatch):

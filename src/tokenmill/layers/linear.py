@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels, parallel
+from tokenmill.config import cpu_has_fast_bf16
 from tokenmill.layers.activation import GATED_ACTIVATIONS
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.op import KernelOp, invalidate_plans
@@ -78,10 +79,14 @@ class _Weighted(KernelOp):
     def dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b) for a dense weight, in x's dtype: a bf16 CPU weight's few-row products (decode
         steps) run the C kernel on backend "auto" (kernels.bf16_matmul: PyTorch's are far slower
-        there), everything else `F.linear`."""
+        there), everything else `F.linear`: in float32 for a bf16 CPU weight where the CPU has no bf16
+        units (PyTorch emulates a bf16 matmul there, several times slower than float32; the products of
+        bf16 values are exact in float32, as in the kernel)."""
         if self.backend == "auto" and kernels.uses_bf16_matmul(x, weight):
             y = kernels.bf16_matmul(x, weight)
             return (y if bias is None else y + bias).to(x.dtype)
+        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not cpu_has_fast_bf16():
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         return F.linear(x, weight, bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

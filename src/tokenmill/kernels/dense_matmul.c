@@ -150,7 +150,8 @@ void bf16_matmul_team(const float *x, int64_t m, int64_t k, const uint16_t *w, i
 int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int gated, const float *norm_w,
                 float eps, const float *residual, float *y, int generic, int num_threads) {
     tm_matmul_scratch s;
-    if (matmul_scratch_alloc(&s, m, k)) return 1;
+    if (matmul_scratch_alloc(&s, m, k, TM_SCRATCH_DENSE | (gated || norm_w != NULL ? TM_SCRATCH_FUSED : 0)))
+        return 1;
     #pragma omp parallel num_threads(num_threads) if (m * n * k > (1 << 18))
     bf16_matmul_team(x, m, k, w, n, gated, norm_w, eps, residual, y, generic, &s);
     matmul_scratch_free(&s);

@@ -111,6 +111,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
                  const float *sin, const float *cos_local, const float *sin_local, const tm_kv_group *groups,
                  int64_t num_groups, const int64_t *seq_lens, const tm_shm *shm, int num_threads) {
     int64_t qkv_max = 0, attn_max = 0, gate_up_max = 0, k_max = 0, kv_heads_min = 0;
+    int kinds = TM_SCRATCH_FUSED;   /* (the input norms are fused into qkv and gate_up) */
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_layer_plan *layer = &layers[l];
         const tm_attention_plan *a = &layer->attn;
@@ -121,7 +122,10 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
         const tm_weight *ws[4] = {&a->qkv, &a->o, layer->moe == NULL ? &layer->mlp.gate_up : NULL,
                                   layer->moe == NULL ? &layer->mlp.down : NULL};
         for (int i = 0; i < 4; i++)
-            if (ws[i] != NULL) k_max = ws[i]->in_features > k_max ? ws[i]->in_features : k_max;
+            if (ws[i] != NULL) {
+                k_max = ws[i]->in_features > k_max ? ws[i]->in_features : k_max;
+                kinds |= ws[i]->bits == 16 ? TM_SCRATCH_DENSE : TM_SCRATCH_QUANT;
+            }
         if (layer->moe == NULL)
             gate_up_max = layer->mlp.gate_up.out_features > gate_up_max ? layer->mlp.gate_up.out_features : gate_up_max;
     }
@@ -134,7 +138,7 @@ int decode_stack(const tm_layer_plan *layers, int64_t num_layers, float *x, int6
                      malloc(sizeof(float) * (size_t)(batch * hidden + 1)), {0}, {0}, &failed};
     /* (one scratch of each kind, for the widest: every layer's heads x head_dim fit in attn_max) */
     if (st.qkv == NULL || st.attn == NULL || st.gate_up == NULL || st.out == NULL
-        || matmul_scratch_alloc(&st.mm, batch, k_max)
+        || matmul_scratch_alloc(&st.mm, batch, k_max, kinds)
         || decode_scratch_alloc(&st.dec, batch, attn_max, kv_heads_min, 1, num_threads))
         failed = 1;
     for (int64_t l = 0; l < num_layers && !failed;) {

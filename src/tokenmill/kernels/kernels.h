@@ -164,16 +164,18 @@ int bf16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t
  * team. quant_matmul, bf16_matmul, paged_decode and paged_decode_rotary are these inside a region of
  * their own. */
 
-/* A matmul's scratch for up to `rows` rows of k inputs: quantized planes and their scales (q [rows][2k],
- * dx, bx [rows][k / 32]; x16 on AVX2 builds), the rows after the fused input ops (rows [rows][k]) and
- * dense_matmul's permuted rows (xp, 64-byte aligned). */
+/* A matmul's scratch for up to `rows` rows of k inputs, for the `kinds` of matmul it serves (or-ed):
+ * TM_SCRATCH_QUANT, quantized planes and their scales (q [rows][2k], dx, bx [rows][k / 32]; x16 on AVX2
+ * builds); TM_SCRATCH_FUSED, the rows after the fused input ops (rows [rows][k]); TM_SCRATCH_DENSE,
+ * dense_matmul's permuted rows (xp, 64-byte aligned). The others are NULL. */
 typedef struct {
     int8_t *q;
     float *dx, *bx;
     int16_t *x16;
     float *rows, *xp;
 } tm_matmul_scratch;
-int matmul_scratch_alloc(tm_matmul_scratch *s, int64_t rows, int64_t k);   /* 1 if out of memory */
+enum { TM_SCRATCH_QUANT = 1, TM_SCRATCH_FUSED = 2, TM_SCRATCH_DENSE = 4 };
+int matmul_scratch_alloc(tm_matmul_scratch *s, int64_t rows, int64_t k, int kinds);   /* 1 if out of memory */
 void matmul_scratch_free(tm_matmul_scratch *s);
 void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *w, int gated, const float *norm_w, float eps,
                        const float *residual, float *y, int generic, const tm_matmul_scratch *s);

@@ -373,14 +373,18 @@ __attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_
 #define MBLOCK 8
 #define ROW_CHUNK 64
 
-int matmul_scratch_alloc(tm_matmul_scratch *s, int64_t rows, int64_t k) {
+int matmul_scratch_alloc(tm_matmul_scratch *s, int64_t rows, int64_t k, int kinds) {
     const size_t n = (size_t)(rows * k > 0 ? rows * k : 1), groups = (size_t)(rows * (k / GROUP) + 1);
+    const int quant = (kinds & TM_SCRATCH_QUANT) != 0, fused = (kinds & TM_SCRATCH_FUSED) != 0,
+              dense = (kinds & TM_SCRATCH_DENSE) != 0;
     *s = (tm_matmul_scratch){
-        .q = aligned_alloc(64, (2 * n + 63) / 64 * 64), .dx = malloc(sizeof(float) * groups),
-        .bx = malloc(sizeof(float) * groups), .x16 = AVX2_TILES ? malloc(sizeof(int16_t) * n) : NULL,
-        .rows = malloc(sizeof(float) * n), .xp = aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64)};
-    if (s->q == NULL || s->dx == NULL || s->bx == NULL || (AVX2_TILES && s->x16 == NULL) || s->rows == NULL
-        || s->xp == NULL) {
+        .q = quant ? aligned_alloc(64, (2 * n + 63) / 64 * 64) : NULL,
+        .dx = quant ? malloc(sizeof(float) * groups) : NULL, .bx = quant ? malloc(sizeof(float) * groups) : NULL,
+        .x16 = quant && AVX2_TILES ? malloc(sizeof(int16_t) * n) : NULL,
+        .rows = fused ? malloc(sizeof(float) * n) : NULL,
+        .xp = dense ? aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64) : NULL};
+    if ((quant && (s->q == NULL || s->dx == NULL || s->bx == NULL || (AVX2_TILES && s->x16 == NULL)))
+        || (fused && s->rows == NULL) || (dense && s->xp == NULL)) {
         matmul_scratch_free(s);
         return 1;
     }
@@ -402,7 +406,7 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
                           groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < mrows; i++) {
-        const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, s->rows + (fused ? i * k : 0), generic);
+        const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, fused ? s->rows + i * k : NULL, generic);
         quantize_row(row, k, s->q + 2 * i * k, s->q + 2 * i * k + k, s->dx + i * groups, s->bx + i * groups);
 #if AVX2_TILES
         combine_planes(s->q + 2 * i * k, s->q + 2 * i * k + k, k, s->x16 + i * k);
@@ -443,7 +447,8 @@ int quant_matmul(const float *x, int64_t mrows, const tm_weight *weight, int gat
                  const float *residual, float *y, int generic, int num_threads) {
     const int64_t k = weight->in_features, n = weight->out_features;
     tm_matmul_scratch s;
-    if (matmul_scratch_alloc(&s, mrows, k)) return 1;
+    if (matmul_scratch_alloc(&s, mrows, k, TM_SCRATCH_QUANT | (gated || norm_w != NULL ? TM_SCRATCH_FUSED : 0)))
+        return 1;
     #pragma omp parallel num_threads(num_threads) if (mrows * n * k > (1 << 18))
     quant_matmul_team(x, mrows, weight, gated, norm_w, eps, residual, y, generic, &s);
     matmul_scratch_free(&s);

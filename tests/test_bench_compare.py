@@ -91,7 +91,8 @@ def test_compare_without_llama_cpp_still_runs_the_others(tiny_gguf_model, tmp_pa
 
 def test_transformers_peer_runs_the_dense_dtype(tiny_gguf_model, tmp_path):
     """With --dtype auto, tokenmill runs a quantized GGUF in float32 (its kernels' dtype) while the
-    transformers peer, dense, gets what auto gives a dense model here (bf16 where the CPU has bf16 units)."""
+    transformers peer, dense, gets its best dtype here (bf16 where the CPU has bf16 units, else float32:
+    PyTorch emulates bf16 matmuls there)."""
     from tokenmill.config import cpu_has_fast_bf16
 
     out = tmp_path / "compare.json"

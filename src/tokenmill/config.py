@@ -556,8 +556,8 @@ class EngineConfig:
     tool_call_parser: str | None = setting(None, "how the model writes tool calls (default: detected from the chat "
                                            "template; generic, a JSON answer kept by a grammar, for a template "
                                            "that does not render tools)", choices=TOOL_CALL_PARSERS)
-    dtype: str = setting("auto", "auto (float32 for quantized weights on CPU, else bfloat16 where the hardware "
-                         "has it, else float32) | float32 | bfloat16 | float16 (CUDA)")
+    dtype: str = setting("auto", "auto (float32 for quantized weights on CPU, else bfloat16; float16 on GPUs "
+                         "before Ampere) | float32 | bfloat16 | float16 (CUDA)")
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     threads: int | None = setting(None, "CPU threads for PyTorch and the C kernels, per tensor-parallel rank "
                                   "(default: PyTorch's, one per core, divided among the ranks)")

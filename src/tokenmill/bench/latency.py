@@ -86,15 +86,18 @@ def tokenmill_row(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from tokenmill import LLM
-    from tokenmill.config import resolve_dtype
+    from tokenmill.config import cpu_has_fast_bf16, resolve_dtype
 
     t0 = time.perf_counter()
     llm = LLM(cfg["model"], **cfg["engine_args"])
     load_s = time.perf_counter() - t0
     result = batch1.measure(stream_gen(llm), cfg)
-    # transformers runs dense weights: the dtype these settings give a dense model (bf16 where the CPU
-    # has bf16 units), not tokenmill's float32 for its quantized kernels
+    # transformers runs dense weights: the dtype these settings give a dense model, not tokenmill's
+    # float32 for its quantized kernels; with auto, float32 on a CPU without bf16 units (transformers'
+    # best there: PyTorch emulates bf16 matmuls, which tokenmill's dense path avoids)
     dense = resolve_dtype(llm.engine.config.dtype, llm.engine.device)
+    if llm.engine.config.dtype in (None, "auto") and llm.engine.device.type == "cpu" and not cpu_has_fast_bf16():
+        dense = torch.float32
     return {"engine": "tokenmill", "load_s": load_s, "dtype": str(llm.engine.dtype).removeprefix("torch."),
             "dense_dtype": str(dense).removeprefix("torch."), "threads": torch.get_num_threads(), **result}
 

@@ -104,9 +104,7 @@ static ALWAYS_INLINE void kv_row(const int CH, const int kv_type, const void *p,
             out[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
                                    _mm512_set1_ps(kv_group_scale(p, i, 16 * CH, c / 2)));
         } else if (kv_type == TM_KV_BF16 && c + 1 < CH) {
-            const __m512i x = _mm512_loadu_si512((const uint16_t *)p + i + 16 * c);
-            out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-            out[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+            bf16_pair((const uint16_t *)p + i + 16 * c, &out[c], &out[c + 1]);
             c++;
         } else {
             out[c] = kv_loadv(p, i + 16 * c, kv_type);
@@ -164,9 +162,7 @@ static ALWAYS_INLINE void kv_row(const int CH, const int kv_type, const void *p,
             out[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
                                    _mm256_set1_ps(kv_group_scale(p, i, 16 * CH, c / 4)));
         } else if (kv_type == TM_KV_BF16) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i + 8 * c));
-            out[c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-            out[c + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+            bf16_pair((const uint16_t *)p + i + 8 * c, &out[c], &out[c + 1]);
             c++;
         } else {
             out[c] = _mm256_loadu_ps((const float *)p + i + 8 * c);

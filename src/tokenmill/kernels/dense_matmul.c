@@ -8,7 +8,7 @@
  * and summed in fp32; f: the fused input ops of rows.h, as quant_matmul's.
  *
  * SIMD (simd.h's vf: AVX-512 or AVX2; k a multiple of 2 VW): each 2 VW weights of a row come from one
- * load as two vectors, their even and odd elements (a shift and a mask: attention.h's row order), so
+ * load as two vectors, their even and odd elements (simd.h's bf16_pair: attention.h's row order), so
  * the activation rows are permuted to that order once per call; 4 weight rows x up to MB activation
  * rows are independent FMA chains. Output rows are split across threads. Portable C loops elsewhere
  * (and as the tests' reference): a scalar loop, several times slower than PyTorch's bf16 matmul. */
@@ -42,20 +42,6 @@ static void dense_generic(const float *x, int64_t m, int64_t k, const uint16_t *
 }
 
 #ifdef HAVE_VF
-/* A weight row's 2 VW bf16 values from p as two float vectors, its even and odd elements (one load,
- * a shift and a mask: attention.h's row order). */
-static inline void bf16_pair(const uint16_t *p, vf *even, vf *odd) {
-#if VW == 16
-    const __m512i v = _mm512_loadu_si512(p);
-    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
-#else
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
-#endif
-}
-
 /* Rows [i0, i0 + MR) of x (permuted: xp) against weight rows [j0, j0 + NR) (MR, NR constant at the
  * call site, so the MR x NR accumulators stay in registers). */
 static ALWAYS_INLINE void dense_block(const int MR, const int NR, const float *xp, int64_t k, const uint16_t *w,

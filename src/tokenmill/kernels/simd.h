@@ -180,6 +180,23 @@ static inline float vf_reduce_add(vf x) {
 }
 #endif
 
+#ifdef HAVE_VF
+/* 2 VW bf16 values from p as two float vectors, their even and odd elements (one load, a shift and a
+ * mask, no conversion instructions): a dense bf16 weight's row (dense_matmul.c) and a bf16 K/V row
+ * (attention.h's row order). */
+static inline void bf16_pair(const uint16_t *p, vf *even, vf *odd) {
+#if VW == 16
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+#else
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+#endif
+}
+#endif
+
 /* ---- float sums in one fixed order in every build ----
  * 16 lanes, lane j summing elements j, j + 16, j + 32, ... in turn (lanes past a short row's end
  * hold 0); then lanes j and j + w for w = 8, 4, 2, 1. With `squares`, each element is squared and

@@ -24,7 +24,7 @@ from tokenmill import kernels
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.engine.request import Request, SpecState
+from tokenmill.engine.request import Request
 from tokenmill.engine.speculative import (
     MIN_ROW_COST,
     ROW_COST,
@@ -100,12 +100,12 @@ def poor_draft(tmp_path_factory) -> Path:
 
 def test_ngram_lookup_takes_the_longest_latest_match():
     tokens = [1, 2, 3, 9, 1, 2, 4, 8, 7, 1, 2]
-    assert ngram_lookup(tokens, 1, 3, 2) == [4, 8]           # "1 2": latest earlier occurrence
-    assert ngram_lookup(tokens + [3], 1, 3, 3) == [9, 1, 2]   # "1 2 3" (longest first) beats "2 3", "3"
-    assert ngram_lookup([5, 6, 7], 1, 3, 4) == []
-    assert ngram_lookup([5, 6, 5], 2, 3, 4) == []            # only a 1-gram matches, below min
-    assert ngram_lookup([5, 6, 5], 1, 3, 4) == [6, 5]        # proposals stop at the end of the context
-    assert ngram_lookup([7], 1, 3, 4) == []
+    assert ngram_lookup(tokens, 1, 3, 2) == ([4, 8], 2)          # "1 2": latest earlier occurrence
+    assert ngram_lookup(tokens + [3], 1, 3, 3) == ([9, 1, 2], 3)  # "1 2 3" (longest first) beats "2 3", "3"
+    assert ngram_lookup([5, 6, 7], 1, 3, 4) == ([], 0)
+    assert ngram_lookup([5, 6, 5], 2, 3, 4) == ([], 0)           # only a 1-gram matches, below min
+    assert ngram_lookup([5, 6, 5], 1, 3, 4) == ([6, 5], 1)       # proposals stop at the end of the context
+    assert ngram_lookup([7], 1, 3, 4) == ([], 0)
 
 
 def test_ngram_lookup_equals_trying_each_n_in_turn():
@@ -120,8 +120,8 @@ def test_ngram_lookup_equals_trying_each_n_in_turn():
         for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
             hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
             if hits.size:
-                return ids[hits[-1] + n:hits[-1] + n + k].tolist()
-        return []
+                return ids[hits[-1] + n:hits[-1] + n + k].tolist(), n
+        return [], 0
 
     rng = random.Random(0)
     for _ in range(3000):
@@ -132,23 +132,60 @@ def test_ngram_lookup_equals_trying_each_n_in_turn():
 
 
 def test_draft_length_follows_the_acceptance_rate_and_the_batch():
-    assert draft_length(SpecState(accepted=9.9, trials=10.0), 4) == 4
-    assert draft_length(SpecState(accepted=0.0, trials=10.0), 4) == 0
-    ks = [draft_length(SpecState(accepted=a, trials=10.0), 6) for a in range(11)]
+    assert draft_length(0.99, 4) == 4
+    assert draft_length(0.0, 4) == 0
+    ks = [draft_length(a / 10, 6) for a in range(11)]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 6
     # the larger the batch, the dearer a row relative to a request's share of the step
-    by_batch = [draft_length(SpecState(accepted=7.0, trials=10.0), 6, b) for b in (1, 4, 16, 64)]
+    by_batch = [draft_length(0.7, 6, b) for b in (1, 4, 16, 64)]
     assert by_batch == sorted(by_batch, reverse=True) and by_batch[0] > 0 and by_batch[-1] == 0
+
+
+def test_ngram_draft_length_follows_the_match_length(tiny_hf_model, monkeypatch):
+    """An n-gram proposal's key is its match length, and each key has its own acceptance record.
+    Taught that proposals after 5-token matches are always accepted and after 1-token matches never,
+    a request verifies all 6 after a long match and none after a short one; a new request, with no
+    record of its own, starts from the others' (shared) rates: 6 and at most 1 on its first step,
+    where the 3-in-4 prior alone would give both 3."""
+    eng = engine(tiny_hf_model("llama"), {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5})
+    pin_row_cost(eng, monkeypatch, ROW_COST)
+    spec = eng.speculator
+    seq = list(range(10, 30))
+    long_prompt, short_prompt = seq + seq[:5], [40, 41, 42, 43, 44, 45, 46, 42]
+    params = SamplingParams(max_tokens=50, temperature=0.0)
+
+    def decoding(prompt):
+        request = eng.add_request(prompt, params)
+        request.num_computed_tokens = request.num_tokens - 1   # as if its prompt were computed
+        return request
+
+    long, short = decoding(long_prompt), decoding(short_prompt)
+    assert ngram_lookup(long.all_token_ids, 1, 5, 6) == (seq[5:11], 5)
+    assert ngram_lookup(short.all_token_ids, 1, 5, 6) == ([43, 44, 45, 46, 42], 1)
+    for request in (long, short):   # untaught, the prior gives every key the same draft length
+        assert spec.acceptance(request, 5) == spec.acceptance(request, 1) == pytest.approx(0.75)
+    for _ in range(12):
+        spec.propose([long, short])
+        assert long.spec.key == 5 and (short.spec.key == 1 or not short.spec_token_ids)
+        spec.verified(long, len(long.spec_token_ids) + 1)   # every proposal accepted
+        spec.verified(short, 1)                            # the first one rejected
+    spec.propose([long, short])
+    assert long.spec_token_ids == seq[5:11] and short.spec_token_ids == []
+    assert spec.acceptance(long, 5) > 0.95 and spec.acceptance(short, 1) < 0.25
+    fresh_long, fresh_short = decoding(long_prompt), decoding(short_prompt)
+    spec.propose([fresh_long, fresh_short])
+    assert fresh_long.spec_token_ids == seq[5:11] and len(fresh_short.spec_token_ids) <= 1
+    assert draft_length(0.75, 6, 2, ROW_COST) == 3   # what the prior alone would have given both
 
 
 def test_dearer_rows_shorten_drafts_and_the_cost_follows_the_matmul_path(monkeypatch, tiny_hf_model):
     """Where an extra row costs more (quantized weights without the VNNI matmul), a request needs
     likelier proposals to speculate, and the engine takes the cost of its own decode path."""
-    state = SpecState(accepted=7.0, trials=10.0)
+    state = 0.7
     ks = [draft_length(state, 6, 1, c) for c in (0.05, ROW_COST, ROW_COST_NO_VNNI, 0.9)]
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
-    assert draft_length(SpecState(accepted=3.0, trials=10.0), 6, 1, ROW_COST) > 0
-    assert draft_length(SpecState(accepted=3.0, trials=10.0), 6, 1, ROW_COST_NO_VNNI) == 0
+    assert draft_length(0.3, 6, 1, ROW_COST) > 0
+    assert draft_length(0.3, 6, 1, ROW_COST_NO_VNNI) == 0
     cpu = torch.device("cpu")
     for vnni in (False, True):
         monkeypatch.setattr(kernels, "has_vnni_matmul", lambda v=vnni: v)
@@ -226,7 +263,7 @@ def test_proposal_cost_is_learned_per_proposed_token():
     for _ in range(300):
         cost.observe(0.001, 4, 0.01, 5, 0.25)   # 0.05 of a one-row step per token
     assert cost.value == pytest.approx(0.05, abs=0.01)
-    likely = SpecState(accepted=9.0, trials=10.0)
+    likely = 0.9
     assert draft_length(likely, 6, 1, ROW_COST, 0.05) > 0
     assert draft_length(likely, 6, 1, ROW_COST, 1.0) == 0
     # the same proposal cost weighs more in a larger batch, whose rows share each step's weight read
@@ -244,14 +281,14 @@ def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     continuation = run(engine(target), [prompt], params)[0].output_token_ids
 
     class Oracle:
-        name, samples, steady = "ngram", False, True
+        name, samples, steady, keyed = "ngram", False, True, False
 
         def __init__(self, delay: float):
             self.delay = delay
 
         def propose(self, jobs):
             time.sleep(self.delay)
-            return [continuation[len(r.output_token_ids):len(r.output_token_ids) + k] for r, k in jobs]
+            return [(continuation[len(r.output_token_ids):len(r.output_token_ids) + k], 0) for r, k in jobs]
 
         def release(self, request):
             pass
@@ -350,7 +387,9 @@ def test_a_seeded_request_gets_the_same_tokens_and_logprobs_with_speculation(tin
     params = [SamplingParams(max_tokens=30, seed=100 + i, **options) for i, options in enumerate(SAMPLING_OPTIONS)]
     prompt = [1, 5, 9, 5, 9, 5, 9]
     plain_eng, eng = engine(target), engine(target, **spec)
-    pin_row_cost(eng, monkeypatch)   # whether a request speculates must not hang on the machine's step times
+    # whether a request speculates must not hang on the machine's step times; rows held nearly free,
+    # so that requests go on speculating after the earlier ones' proposals were mostly rejected
+    pin_row_cost(eng, monkeypatch, 0.02)
     # one at a time: alone, a request speculates whenever a proposal is likely enough to pay
     plain = [run(plain_eng, [prompt], p)[0] for p in params]
     fast = [run(eng, [prompt], p)[0] for p in params]

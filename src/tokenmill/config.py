@@ -437,9 +437,10 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
     last n tokens, prompt_lookup_max >= n >= prompt_lookup_min) or "draft_model" (a smaller
     model with the target's tokenizer, `model`; implied by `model`). num_speculative_tokens: the
-    most proposed tokens a request verifies per step (each request adapts below it from its own
-    acceptance rate). disable_by_batch_size: no speculation in a step with more requests running
-    than this (their spare compute is gone). quantization: the draft's, as EngineConfig's."""
+    most proposed tokens a request verifies per step (each request adapts below it from its
+    acceptance rate for proposals found the same way: engine/speculative.py).
+    disable_by_batch_size: no speculation in a step with more requests running than this (their
+    spare compute is gone). quantization: the draft's, as EngineConfig's."""
 
     method: str
     num_speculative_tokens: int

@@ -22,15 +22,36 @@ from tokenmill.sampling import SamplingParams
 
 
 @dataclass
+class AcceptanceCounts:
+    """Decayed counts of speculative proposals accepted and verified, per proposal key (how the
+    proposer found them: an n-gram lookup's match length; a draft model's proposals share one
+    key). Each record first scales the key's earlier counts by `decay`: recent steps count most."""
+
+    decay: float
+    counts: dict[int, tuple[float, float]] = field(default_factory=dict)   # key -> (accepted, verified)
+
+    def get(self, key: int) -> tuple[float, float]:
+        return self.counts.get(key, (0.0, 0.0))
+
+    def record(self, key: int, accepted: int, verified: int) -> None:
+        a, v = self.get(key)
+        self.counts[key] = (self.decay * a + accepted, self.decay * v + verified)
+
+
+SPEC_DECAY = 0.8
+"""A request's acceptance counts keep this much of their weight per verification (adaptive k)."""
+
+
+@dataclass
 class SpecState:
-    """A request's speculative decoding so far: counts for its metrics, and a decayed count of
-    accepted / verified proposals from which its draft length is chosen (engine/speculative.py)."""
+    """A request's speculative decoding so far: counts for its metrics, and its acceptance counts
+    per proposal key, from which its draft length is chosen (engine/speculative.py)."""
 
     num_steps: int = 0            # steps that verified at least one proposed token
     num_draft_tokens: int = 0     # proposed tokens verified
     num_accepted_tokens: int = 0  # of which accepted
-    accepted: float = 1.5         # decayed accepted proposals (a prior of 3 in 4)
-    trials: float = 2.0           # decayed proposals verified up to and including the first rejected one
+    acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(SPEC_DECAY))
+    key: int = 0                  # the key of the proposals this step verifies
     idle_steps: int = 0           # steps since it last speculated
 
 

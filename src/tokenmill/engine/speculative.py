@@ -22,9 +22,16 @@ uniform per row, so a seeded request's tokens would depend on its proposals). Wi
 noise, a seeded request's tokens are the same with or without speculation, and greedy rows (the
 argmax, no noise) are identical to plain decoding by construction.
 
-Adaptive draft length: each request keeps a decayed count of its proposals accepted and verified
-(`SpecState`), an estimate of the probability a that a proposal is accepted; it takes the k that
-maximizes the expected tokens per step, (1 - a^(k+1)) / (1 - a), over its cost. A row costs
+Adaptive draft length: a proposal carries a key, how the proposer found it (an n-gram lookup's
+match length: a 5-token match is followed far more often than a 1-token one; a draft model's
+proposals share one key). Each request keeps decayed counts of its proposals accepted and verified
+per key (`SpecState.acceptance`), and the speculator the same counts over all requests (`shared`);
+the request's estimate of the probability a that a proposal with that key is accepted is its own
+counts with the shared rate counted as SHARED_WEIGHT more trials (a request's first proposals of a
+kind start from what the others saw). It takes the k that maximizes the expected tokens per step,
+(1 - a^(k+1)) / (1 - a), over its cost. A lookup costs nothing worth counting, so the n-gram
+proposer proposes the most tokens and k is chosen from the key it found; a draft model's k is
+chosen before it runs, from its one key. A row costs
 c of a batch-1 decode step on top of the weights' one read (`RowCost`: learned from the engine's
 own decode steps, starting from `row_cost`, the value measured for its kernel path), so a step of
 B plain rows costs 1 + c (B - 1), a request's share of it c + (1 - c) / B,
@@ -48,7 +55,7 @@ import torch
 from tokenmill import kernels
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, SpecState
+from tokenmill.engine.request import AcceptanceCounts, Request
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.snapshot import ScheduledRow
 from tokenmill.sampling import Sampler, SamplingBatch
@@ -61,8 +68,12 @@ VNNI matmul, dense weights, other devices (see docs/ARCHITECTURE.md for the meas
 ROW_COST_NO_VNNI = 0.45
 """The same for quantized weights on a CPU whose matmul has no VNNI (the AVX2 tiles): there one row's
 integer arithmetic takes about as long as reading its weights, so each extra row adds much more."""
-DECAY = 0.8
-"""Weight of a request's earlier acceptance counts at each step (recent steps count most)."""
+SHARED_DECAY = 0.95
+"""Weight of the earlier verifications in the speculator's shared acceptance counts at each new one."""
+SHARED_WEIGHT = 2.0
+"""How many of a request's own verified proposals the shared acceptance rate counts as."""
+PRIOR = (1.5, 2.0)
+"""(accepted, verified) assumed of a key before any proposal with it was verified: 3 in 4."""
 COST_DECAY = 0.98
 """Weight of the earlier decode steps in RowCost's fit at each new one (about the last 50 count)."""
 MIN_ROW_SPREAD = 0.5
@@ -76,14 +87,12 @@ OUTLIER = 1.5
 a lasting change still moves it, step by step."""
 PROBE_INTERVAL = 16
 """A request that stopped speculating tries one proposed token again after this many steps (where
-proposals accepted every time would pay: `CERTAIN`)."""
-CERTAIN = SpecState(accepted=1.0, trials=1.0)
-"""The acceptance record of a request whose every proposal is accepted."""
+proposals accepted every time would pay)."""
 
 
-def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
     """Prompt lookup: for n from max_n down to min_n, find the latest earlier occurrence of the
-    last n tokens; the (up to k) tokens that followed it. [] when none occurs.
+    last n tokens; the (up to k) tokens that followed it, and n. ([], 0) when none occurs.
 
     One pass: every earlier position holding the last token is a candidate; its match is extended
     backwards one token at a time (while it still matches, up to max_n), then the longest match
@@ -96,9 +105,9 @@ def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]
         alive = (length == m) & (ends >= m)
         length[alive] += ids[ends[alive] - m] == ids[last - m]
     if not len(ends) or length.max() < min_n:
-        return []
+        return [], 0
     end = int(ends[np.flatnonzero(length == length.max())[-1]])
-    return ids[end + 1:end + 1 + k].tolist()
+    return ids[end + 1:end + 1 + k].tolist(), int(length.max())
 
 
 def row_cost(device: torch.device, quantized: bool) -> float:
@@ -158,12 +167,13 @@ class ProposalCost:
         self.value = float(self._sums[1] / self._sums[0])
 
 
-def draft_length(state: SpecState, k_max: int, batch: int = 1, row_cost: float = ROW_COST,
+def draft_length(acceptance: float, k_max: int, batch: int = 1, row_cost: float = ROW_COST,
                  proposal_cost: float = 0.0) -> int:
     """The k in 0..k_max that maximizes the request's expected tokens per step over its share of
-    the step's cost, with `batch` requests running, an extra row costing `row_cost` of a batch-1
-    step and proposing one token `proposal_cost` of it (module docstring)."""
-    a = min(state.accepted / state.trials, 0.99)
+    the step's cost, for proposals each accepted with probability `acceptance`, with `batch`
+    requests running, an extra row costing `row_cost` of a batch-1 step and proposing one token
+    `proposal_cost` of it (module docstring)."""
+    a = min(acceptance, 0.99)
     # A step of B plain rows costs 1 + c (B - 1) batch-1 steps, a request's share of it c + (1 - c) / B;
     # its k proposed rows add c k, and proposing them p k: relative to its share, c' k.
     c = (row_cost + proposal_cost) / (row_cost + (1 - row_cost) / batch)
@@ -191,11 +201,13 @@ class NgramProposer:
     name = "ngram"
     samples = False   # its proposals do not depend on the sampling noise
     steady = True     # its last propose() cost what proposing costs (ProposalCost learns from it)
+    keyed = True      # proposing the most costs nothing: k is chosen from the key of what it found
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, jobs: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose(self, jobs: list[tuple[Request, int]]) -> list[tuple[list[int], int]]:
+        """Per (request, k): up to k tokens, and their key (the match length)."""
         return [ngram_lookup(r.all_token_ids, self.min_n, self.max_n, k) for r, k in jobs]
 
     def release(self, request: Request) -> None:
@@ -211,6 +223,7 @@ class DraftModelProposer:
 
     name = "draft_model"
     samples = True   # it samples with the noise the target's rows will use
+    keyed = False    # each proposed token costs a draft step: k is chosen before it runs
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_model_len: int, vocab_size: int):
         self.runner, self.kv, self.max_model_len, self.vocab_size = runner, kv, max_model_len, vocab_size
@@ -242,7 +255,8 @@ class DraftModelProposer:
         return shadow
 
     @torch.inference_mode()
-    def propose(self, jobs: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose(self, jobs: list[tuple[Request, int]]) -> list[tuple[list[int], int]]:
+        """Per (request, k): k sampled tokens (fewer where the draft's pool or context is full), key 0."""
         active: list[tuple[Request, Request, int]] = []   # (target request, shadow, k)
         for request, k in jobs:
             if request.num_tokens + k - 1 > self.max_model_len:
@@ -265,7 +279,7 @@ class DraftModelProposer:
                 shadow.num_computed_tokens += n
                 shadow.append_token(token)
                 proposals[request.request_id].append(token)
-        return [proposals[r.request_id] for r, _ in jobs]
+        return [(proposals[r.request_id], 0) for r, _ in jobs]
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, Request, int]]) -> list[int]:
         """Each shadow's next token under its request's sampling parameters and noise row j,
@@ -306,6 +320,7 @@ class Speculator:
     cost: RowCost                   # (its prior: row_cost(), the target's decode path)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     proposal_cost: ProposalCost = field(default_factory=ProposalCost)
+    shared: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(SHARED_DECAY))   # all requests'
     _proposed: tuple[float, int] = (0.0, 0)   # this step's proposing: seconds, tokens proposed
 
     def observe_step(self, rows: tuple[ScheduledRow, ...], seconds: float) -> None:
@@ -316,6 +331,20 @@ class Speculator:
             self.cost.observe(num_rows, seconds)
             self.proposal_cost.observe(*self._proposed, seconds, num_rows, self.cost.value)
 
+    def acceptance(self, request: Request, key: int) -> float:
+        """The request's estimate that a proposal with this key is accepted (module docstring)."""
+        accepted, verified = request.spec.acceptance.get(key)
+        shared_accepted, shared_verified = self.shared.get(key)
+        shared = (shared_accepted + PRIOR[0]) / (shared_verified + PRIOR[1])
+        return (accepted + SHARED_WEIGHT * shared) / (verified + SHARED_WEIGHT)
+
+    def _length(self, request: Request, key: int, k_max: int, costs: tuple[int, float, float], probes_pay: bool) -> int:
+        """How many of up to k_max proposals with this key the request verifies this step."""
+        k = draft_length(self.acceptance(request, key), k_max, *costs)
+        if k == 0 and k_max > 0 and request.spec.idle_steps >= PROBE_INTERVAL and probes_pay:
+            k = 1
+        return k
+
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` (and, for sampled requests, the noise of their rows) of the running
         requests that speculate this step."""
@@ -323,22 +352,22 @@ class Speculator:
         if not running or len(running) > self.config.disable_by_batch_size:
             return
         jobs = []
-        costs = (self.config.num_speculative_tokens, len(running), self.cost.value, self.proposal_cost.value)
+        costs = (len(running), self.cost.value, self.proposal_cost.value)
         # a probe re-learns the acceptance, where accepting every proposal would pay; a draft model's
         # probe is not cheap (its shadow catches up on every token since it last proposed)
-        probes_pay = draft_length(CERTAIN, *costs) > 0
+        probes_pay = draft_length(1.0, self.config.num_speculative_tokens, *costs) > 0
+        keyed = self.proposer.keyed
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_forced_pending:
                 continue   # prefilling, or computing tokens a grammar forced
-            state = request.spec
-            k = draft_length(state, *costs)
-            if k == 0 and state.idle_steps >= PROBE_INTERVAL and probes_pay:
-                k = 1
             # the proposals and the target's token after them must fit in max_tokens
-            k = min(k, request.max_tokens - len(request.output_token_ids) - 1)
-            state.idle_steps = 0 if k > 0 else state.idle_steps + 1
+            k = min(self.config.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1)
+            if not keyed:
+                k = self._length(request, 0, k, costs, probes_pay)
             if k > 0:
                 jobs.append((request, k))
+            else:
+                request.spec.idle_steps += 1
         if not jobs:
             return
         start = time.perf_counter()
@@ -346,10 +375,14 @@ class Speculator:
             for request, k in jobs:
                 self._draw_noise(request, k + 1)
         proposed = 0
-        for (request, _), drafts in zip(jobs, self.proposer.propose(jobs), strict=True):
+        for (request, _), (drafts, key) in zip(jobs, self.proposer.propose(jobs), strict=True):
+            if keyed:
+                drafts = drafts[:self._length(request, key, len(drafts), costs, probes_pay)]
             if request.grammar is not None:
                 drafts, request.spec_masks = request.grammar.draft_masks(drafts)
             request.spec_token_ids = drafts
+            request.spec.key = key
+            request.spec.idle_steps = 0 if drafts else request.spec.idle_steps + 1
             proposed += len(drafts)
             if drafts and not self.proposer.samples:
                 self._draw_noise(request, len(drafts) + 1)
@@ -373,8 +406,9 @@ class Speculator:
             state.num_steps += 1
             state.num_draft_tokens += proposed
             state.num_accepted_tokens += accepted
-            state.accepted = DECAY * state.accepted + accepted
-            state.trials = DECAY * state.trials + accepted + (accepted < proposed)
+            verified = accepted + (accepted < proposed)   # up to and including the first rejected one
+            state.acceptance.record(state.key, accepted, verified)
+            self.shared.record(state.key, accepted, verified)
         if request.spec_noise_states is not None:
             request.generator.set_state(request.spec_noise_states[num_tokens])
         request.spec_token_ids = []

@@ -26,6 +26,7 @@ from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request
 from tokenmill.engine.speculative import (
+    MIN_GAIN,
     MIN_ROW_COST,
     ROW_COST,
     ROW_COST_NO_VNNI,
@@ -139,6 +140,11 @@ def test_draft_length_follows_the_acceptance_rate_and_the_batch():
     # the larger the batch, the dearer a row relative to a request's share of the step
     by_batch = [draft_length(0.7, 6, b) for b in (1, 4, 16, 64)]
     assert by_batch == sorted(by_batch, reverse=True) and by_batch[0] > 0 and by_batch[-1] == 0
+    # a predicted gain of under MIN_GAIN is no reason to speculate: at batch 32 with dear rows, a 97%
+    # proposal gains 1.004x (k = 1 would be the argmax); alone, the same proposal pays well
+    c = ROW_COST_NO_VNNI / (ROW_COST_NO_VNNI + (1 - ROW_COST_NO_VNNI) / 32)
+    assert 1 < (1 + 0.97) / (1 + c) < MIN_GAIN
+    assert draft_length(0.97, 6, 32, ROW_COST_NO_VNNI) == 0 and draft_length(0.97, 6, 1, ROW_COST_NO_VNNI) > 0
 
 
 def test_ngram_draft_length_follows_the_match_length(tiny_hf_model, monkeypatch):
@@ -176,6 +182,21 @@ def test_ngram_draft_length_follows_the_match_length(tiny_hf_model, monkeypatch)
     spec.propose([fresh_long, fresh_short])
     assert fresh_long.spec_token_ids == seq[5:11] and len(fresh_short.spec_token_ids) <= 1
     assert draft_length(0.75, 6, 2, ROW_COST) == 3   # what the prior alone would have given both
+
+
+def test_no_lookup_where_no_proposal_would_pay(tiny_hf_model, monkeypatch):
+    """Where rows cost as much as a whole step, no key's proposals pay (nor probes): the n-gram
+    lookup is not run at all (its time adds up over a large batch), and nothing is proposed."""
+    eng = engine(tiny_hf_model("llama"), NGRAM)
+    pin_row_cost(eng, monkeypatch, 1.0)
+    lookups = []
+    propose = eng.speculator.proposer.propose
+    monkeypatch.setattr(eng.speculator.proposer, "propose", lambda jobs: lookups.append(jobs) or propose(jobs))
+    run(eng, [PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert lookups == [] and eng.speculator.stats.num_drafts == 0
+    pin_row_cost(eng, monkeypatch, ROW_COST)
+    run(eng, [PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert lookups and eng.speculator.stats.num_drafts > 0   # (the same request speculates where rows are cheap)
 
 
 def test_dearer_rows_shorten_drafts_and_the_cost_follows_the_matmul_path(monkeypatch, tiny_hf_model):
@@ -281,7 +302,7 @@ def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     continuation = run(engine(target), [prompt], params)[0].output_token_ids
 
     class Oracle:
-        name, samples, steady, keyed = "ngram", False, True, False
+        name, samples, steady, keyed, keys = "ngram", False, True, False, (0,)
 
         def __init__(self, delay: float):
             self.delay = delay

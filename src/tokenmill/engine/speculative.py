@@ -29,9 +29,9 @@ per key (`SpecState.acceptance`), and the speculator the same counts over all re
 the request's estimate of the probability a that a proposal with that key is accepted is its own
 counts with the shared rate counted as SHARED_WEIGHT more trials (a request's first proposals of a
 kind start from what the others saw). It takes the k that maximizes the expected tokens per step,
-(1 - a^(k+1)) / (1 - a), over its cost. A lookup costs nothing worth counting, so the n-gram
-proposer proposes the most tokens and k is chosen from the key it found; a draft model's k is
-chosen before it runs, from its one key. A row costs
+(1 - a^(k+1)) / (1 - a), over its cost. Before proposing, k is chosen for the request's likeliest
+key (none proposes where no key would pay); the n-gram proposer looks up that many tokens and k is
+chosen again from the key it found (a draft model's proposals have one key). A row costs
 c of a batch-1 decode step on top of the weights' one read (`RowCost`: learned from the engine's
 own decode steps, starting from `row_cost`, the value measured for its kernel path), so a step of
 B plain rows costs 1 + c (B - 1), a request's share of it c + (1 - c) / B,
@@ -85,6 +85,11 @@ OUTLIER = 1.5
 """A step slower than this many times the fitted line's time counts as this many times it: one stall
 (the process descheduled, a page-fault storm) must not move the fit for the next 50 steps, while
 a lasting change still moves it, step by step."""
+MIN_GAIN = 1.05
+"""The least gain, expected tokens per unit of step cost over not speculating, for which a request
+speculates. The cost model leaves out speculation's fixed costs (its bookkeeping, lookups, the
+proposal rows' sampling) and its estimates are noisy (at a large batch the row cost is a slope
+fitted over a few rows' spread), so a predicted gain of a few percent is as likely a loss."""
 PROBE_INTERVAL = 16
 """A request that stopped speculating tries one proposed token again after this many steps (where
 proposals accepted every time would pay)."""
@@ -172,13 +177,14 @@ def draft_length(acceptance: float, k_max: int, batch: int = 1, row_cost: float 
     """The k in 0..k_max that maximizes the request's expected tokens per step over its share of
     the step's cost, for proposals each accepted with probability `acceptance`, with `batch`
     requests running, an extra row costing `row_cost` of a batch-1 step and proposing one token
-    `proposal_cost` of it (module docstring)."""
+    `proposal_cost` of it (module docstring); 0 where that gains less than MIN_GAIN."""
     a = min(acceptance, 0.99)
     # A step of B plain rows costs 1 + c (B - 1) batch-1 steps, a request's share of it c + (1 - c) / B;
     # its k proposed rows add c k, and proposing them p k: relative to its share, c' k.
     c = (row_cost + proposal_cost) / (row_cost + (1 - row_cost) / batch)
     gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + c * k) for k in range(k_max + 1)]
-    return max(range(k_max + 1), key=gains.__getitem__)
+    best = max(range(k_max + 1), key=gains.__getitem__)
+    return best if gains[best] >= MIN_GAIN else 0
 
 
 @dataclass
@@ -205,6 +211,7 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.keys = range(self.min_n, self.max_n + 1)   # the keys its proposals can have
 
     def propose(self, jobs: list[tuple[Request, int]]) -> list[tuple[list[int], int]]:
         """Per (request, k): up to k tokens, and their key (the match length)."""
@@ -224,6 +231,7 @@ class DraftModelProposer:
     name = "draft_model"
     samples = True   # it samples with the noise the target's rows will use
     keyed = False    # each proposed token costs a draft step: k is chosen before it runs
+    keys = (0,)
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_model_len: int, vocab_size: int):
         self.runner, self.kv, self.max_model_len, self.vocab_size = runner, kv, max_model_len, vocab_size
@@ -338,9 +346,11 @@ class Speculator:
         shared = (shared_accepted + PRIOR[0]) / (shared_verified + PRIOR[1])
         return (accepted + SHARED_WEIGHT * shared) / (verified + SHARED_WEIGHT)
 
-    def _length(self, request: Request, key: int, k_max: int, costs: tuple[int, float, float], probes_pay: bool) -> int:
-        """How many of up to k_max proposals with this key the request verifies this step."""
-        k = draft_length(self.acceptance(request, key), k_max, *costs)
+    def _length(self, request: Request, acceptance: float, k_max: int, costs: tuple[int, float, float],
+                probes_pay: bool) -> int:
+        """How many of up to k_max proposals, each accepted with probability `acceptance`, the request
+        verifies this step."""
+        k = draft_length(acceptance, k_max, *costs)
         if k == 0 and k_max > 0 and request.spec.idle_steps >= PROBE_INTERVAL and probes_pay:
             k = 1
         return k
@@ -362,8 +372,10 @@ class Speculator:
                 continue   # prefilling, or computing tokens a grammar forced
             # the proposals and the target's token after them must fit in max_tokens
             k = min(self.config.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1)
-            if not keyed:
-                k = self._length(request, 0, k, costs, probes_pay)
+            # no proposals where none would pay whatever key they came with (nor the lookup's time, which
+            # adds up over a large batch); a keyed proposer's k is chosen again once the key is known
+            best = max(self.acceptance(request, key) for key in self.proposer.keys)
+            k = self._length(request, best, k, costs, probes_pay)
             if k > 0:
                 jobs.append((request, k))
             else:
@@ -377,7 +389,7 @@ class Speculator:
         proposed = 0
         for (request, _), (drafts, key) in zip(jobs, self.proposer.propose(jobs), strict=True):
             if keyed:
-                drafts = drafts[:self._length(request, key, len(drafts), costs, probes_pay)]
+                drafts = drafts[:self._length(request, self.acceptance(request, key), len(drafts), costs, probes_pay)]
             if request.grammar is not None:
                 drafts, request.spec_masks = request.grammar.draft_masks(drafts)
             request.spec_token_ids = drafts

@@ -207,7 +207,7 @@ class NgramProposer:
     name = "ngram"
     samples = False   # its proposals do not depend on the sampling noise
     steady = True     # its last propose() cost what proposing costs (ProposalCost learns from it)
-    keyed = True      # proposing the most costs nothing: k is chosen from the key of what it found
+    keyed = True      # a lookup is cheap and finds its key (the match length): k is chosen again from it
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max

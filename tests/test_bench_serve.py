@@ -65,3 +65,35 @@ def test_bench_serve_refuses_bad_options(tmp_path, capsys):
         rc = main(["bench", "serve", "--num-requests", "2", "--output", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err
         assert rc == 2 and all(w in err for w in words), err
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_a_token_that_renders_as_nothing_still_counts_as_streamed():
+    """llama-server streams one chunk per token, with empty text for tokens that render as nothing
+    (most of a random-weight model's): those are tokens, timed like any other; a stream with no
+    token chunk at all is a failure."""
+    import asyncio
+
+    import httpx
+
+    from tokenmill.bench.serve import stream_request
+
+    def empty(finish=None):
+        return {"choices": [{"text": "", "index": 0, "finish_reason": finish}]}
+
+    usage = {"choices": [], "usage": {"completion_tokens": 3}}
+    bodies = {"/tokens": _sse(empty(), empty(), empty("length"), usage), "/none": _sse(usage)}
+
+    async def go(path):
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=bodies[request.url.path]))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_request(client, "http://peer" + path, "m", [1, 2], 3, {}, 10.0)
+
+    streamed = asyncio.run(go("/tokens"))
+    assert streamed.ok and streamed.error is None and streamed.output_tokens == 3
+    assert streamed.ttft_s is not None and len(streamed.itl_s) == 1   # two token chunks before the finish
+    nothing = asyncio.run(go("/none"))
+    assert not nothing.ok and nothing.error == "no token streamed"

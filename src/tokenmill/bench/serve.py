@@ -84,7 +84,7 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
-    output_tokens: int = 0          # from the usage chunk, else the chunks with text
+    output_tokens: int = 0          # from the usage chunk, else the token chunks
 
 
 async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,
@@ -95,7 +95,7 @@ async def stream_request(client: Any, url: str, model: str, prompt: list[int], o
     result = RequestResult(len(prompt), output_len)
     start = time.perf_counter()
     last = None
-    chunks_with_text = 0
+    token_chunks = 0
     usage_tokens = None
     try:
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
@@ -115,22 +115,24 @@ async def stream_request(client: Any, url: str, model: str, prompt: list[int], o
                     return result
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                # a token's chunk: text, or (llama-server) an empty text before the finish, as a
+                # token that renders as nothing streams (random-weight models make many of them)
+                if any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if last is None:
                         result.ttft_s = now - start
                     else:
                         result.itl_s.append(now - last)
                     last = now
-                    chunks_with_text += 1
+                    token_chunks += 1
     except Exception as e:   # a failed request is a row in the report, not a crash of the bench
         result.error = f"{type(e).__name__}: {e}"[:200]
         return result
     result.e2e_s = time.perf_counter() - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks_with_text
+    result.output_tokens = usage_tokens if usage_tokens is not None else token_chunks
     result.ok = result.ttft_s is not None
     if not result.ok:
-        result.error = "no text streamed"
+        result.error = "no token streamed"
     return result
 
 

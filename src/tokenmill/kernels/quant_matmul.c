@@ -326,14 +326,22 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
             if (h == 0) prefetch_ahead(tg, gbytes);   /* (the second half reads the same lines) */
             __m256i A[4], B[4];
             for (int r = 0; r < MB; r++) A[r] = B[r] = zero;
-            /* (not unrolled: unrolled, the compiler hoists every product ahead of the sums and spills them) */
+            /* One input quad per iteration, at 4 bits too (each vector is loaded twice, once per nibble):
+             * not unrolled, and not both nibbles in one iteration: given two quads' products at once, the
+             * compiler hoists them all ahead of the sums and spills them. */
             if (job->bits == 4) {
 #pragma GCC unroll 1
-                for (int j = 0; j < 4; j++) {  /* inputs 4j.. in the low nibbles, 16 + 4j.. in the high */
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * j));
-                    const __m256i a = _mm256_unpacklo_epi8(v, zero), b = _mm256_unpackhi_epi8(v, zero);
-                    madd_rows(MB, A, B, _mm256_and_si256(a, low), _mm256_and_si256(b, low), xg + 4 * j, k);
-                    madd_rows(MB, A, B, _mm256_srli_epi16(a, 4), _mm256_srli_epi16(b, 4), xg + 16 + 4 * j, k);
+                for (int c = 0; c < 8; c++) {  /* inputs 4c..: vector c % 4, low nibbles for c < 4, else high */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * (c & 3)));
+                    __m256i a = _mm256_unpacklo_epi8(v, zero), b = _mm256_unpackhi_epi8(v, zero);
+                    if (c < 4) {
+                        a = _mm256_and_si256(a, low);
+                        b = _mm256_and_si256(b, low);
+                    } else {
+                        a = _mm256_srli_epi16(a, 4);
+                        b = _mm256_srli_epi16(b, 4);
+                    }
+                    madd_rows(MB, A, B, a, b, xg + 4 * c, k);
                 }
             } else {
 #pragma GCC unroll 1

@@ -898,9 +898,9 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     """The kernels compiled for x86-64-v3 (AVX2, FMA and F16C, no AVX-512: most x86 CPUs without it),
     where the quantized matmul takes its AVX2 path: exactly the sums of this machine's build and of the
     portable loops, for 4- and 8-bit weights (u up to 255, where a plain u8 x s8 pair sum saturates),
-    1 to 9 rows (runs of 4, 2, 1), a partial last tile, the fused norm, a residual. The fused gating
-    (a vectorized exp / tanh in every SIMD build, `generic` or not) == the activation computed by torch
-    and then the kernel, to float32 rounding."""
+    1 to 9 rows (a run of every length from 1 to 8), a partial last tile, the fused norm, a residual.
+    The fused gating (a vectorized exp / tanh in every SIMD build, `generic` or not) == the activation
+    computed by torch and then the kernel, to float32 rounding."""
     import torch.nn.functional as F
 
     from tokenmill.layers.quant import BlockQuant, QuantWeight, quantize
@@ -910,7 +910,8 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     g = torch.Generator().manual_seed(4)
     cases = []
     for bits in (4, 8):
-        for m, n, k in [(1, 17, 576), (3, 40, 96), (9, 33, 128), (6, 16, 64)]:
+        for m, n, k in [(1, 17, 576), (3, 40, 96), (9, 33, 128), (6, 16, 64), (2, 16, 64), (4, 33, 128), (5, 17, 96),
+                        (7, 40, 64)]:
             q = quantize(torch.randn(n, k, generator=g) * 3, bits)
             if k == 96:   # a symmetric weight (no offsets held: m = -z d in the kernel)
                 q = BlockQuant(q.u, q.d, -(2 ** (bits - 1)) * q.d, bits)

@@ -307,7 +307,7 @@ static ALWAYS_INLINE void madd_rows(const int MB, __m256i *A, __m256i *B, __m256
     }
 }
 
-/* The same sums as tile_generic on AVX2 (+ FMA, F16C) for MB (1 to 4, constant at the call site)
+/* The same sums as tile_generic on AVX2 (+ FMA, F16C) for MB (1 to 8, constant at the call site)
  * activation rows, one half of the tile (8 outputs) at a time. The activations are the two planes
  * combined, x16 = 254 hi + lo, and the weights are widened to 16 bits, so one madd (pairs of s16 x
  * s16 -> s32) takes both planes: sum_k u x16 = 254 sh + sl, exact in int32 (at most 32 x 255 x 32385).
@@ -316,15 +316,15 @@ static ALWAYS_INLINE void madd_rows(const int MB, __m256i *A, __m256i *B, __m256
 static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t, int64_t i0, int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
     const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi16(15);
-    float out[4][TILE];
+    float out[8][TILE];
     for (int h = 0; h < 2; h++) {
-        __m256 acc[4];
+        __m256 acc[8];
         for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *tg = job->w + (t * groups + g) * gbytes + 32 * h;
             const int16_t *xg = job->x16 + i0 * k + g * GROUP;
             if (h == 0) prefetch_ahead(tg, gbytes);   /* (the second half reads the same lines) */
-            __m256i A[4], B[4];
+            __m256i A[8], B[8];
             for (int r = 0; r < MB; r++) A[r] = B[r] = zero;
             /* One input quad per iteration, at 4 bits too (each vector is loaded twice, once per nibble):
              * not unrolled, and not both nibbles in one iteration: given two quads' products at once, the
@@ -370,11 +370,22 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
     }
 }
 
+/* Activation rows [i, end) against tile t in one pass (a block has at most MBLOCK = 8 rows): every
+ * pass unpacks the tile's weights again, which at a few rows (a speculative step's k + 1, a small
+ * batch) costs about as much as the rows' products, so 5 rows are not run as 4 + 1. */
 __attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_t t, int64_t i, int64_t end,
                                                      int nrows) {
-    for (; end - i >= 4; i += 4) tile_avx2(4, job, t, i, nrows);
-    for (; end - i >= 2; i += 2) tile_avx2(2, job, t, i, nrows);
-    for (; end - i >= 1; i += 1) tile_avx2(1, job, t, i, nrows);
+    for (; end - i >= 8; i += 8) tile_avx2(8, job, t, i, nrows);
+    switch (end - i) {
+    case 7: tile_avx2(7, job, t, i, nrows); break;
+    case 6: tile_avx2(6, job, t, i, nrows); break;
+    case 5: tile_avx2(5, job, t, i, nrows); break;
+    case 4: tile_avx2(4, job, t, i, nrows); break;
+    case 3: tile_avx2(3, job, t, i, nrows); break;
+    case 2: tile_avx2(2, job, t, i, nrows); break;
+    case 1: tile_avx2(1, job, t, i, nrows); break;
+    default: break;
+    }
 }
 #endif
 

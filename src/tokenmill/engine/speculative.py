@@ -65,9 +65,9 @@ ROW_COST = 0.15
 """The cost of one more verified row, relative to a batch-1 decode step, where a step reads its
 weights once for all rows and the rows' arithmetic is cheap beside that: quantized weights on the
 VNNI matmul, dense weights, other devices (see docs/ARCHITECTURE.md for the measurement)."""
-ROW_COST_NO_VNNI = 0.45
-"""The same for quantized weights on a CPU whose matmul has no VNNI (the AVX2 tiles): there one row's
-integer arithmetic takes about as long as reading its weights, so each extra row adds much more."""
+ROW_COST_NO_VNNI = 0.35
+"""The same for quantized weights on a CPU whose matmul has no VNNI (the AVX2 tiles): there a row's
+integer arithmetic costs a third of the weights' read, so each extra row adds much more."""
 SHARED_DECAY = 0.95
 """Weight of the earlier verifications in the speculator's shared acceptance counts at each new one."""
 SHARED_WEIGHT = 2.0

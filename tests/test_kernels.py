@@ -898,7 +898,8 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     """The kernels compiled for x86-64-v3 (AVX2, FMA and F16C, no AVX-512: most x86 CPUs without it),
     where the quantized matmul takes its AVX2 path: exactly the sums of this machine's build and of the
     portable loops, for 4- and 8-bit weights (u up to 255, where a plain u8 x s8 pair sum saturates),
-    1 to 9 rows (a run of every length from 1 to 8), a partial last tile, the fused norm, a residual.
+    1 to 9 rows (a run of every length from 1 to 8; one row of a 4-bit weight takes its own maddubs
+    form), a partial last tile, the fused norm, a residual.
     The fused gating (a vectorized exp / tanh in every SIMD build, `generic` or not) == the activation
     computed by torch and then the kernel, to float32 rounding."""
     import torch.nn.functional as F

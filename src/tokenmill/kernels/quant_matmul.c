@@ -370,6 +370,46 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
     }
 }
 
+/* tile_avx2 for one activation row of a 4-bit weight (a batch-1 decode step's), with less work per
+ * weight byte: the nibbles stay bytes and vpmaddubsw multiplies them by each int8 plane (u8 x s8, 32
+ * products at once), whose pair sums (at most 2 x 15 x 127) add up over the group's 8 input quads in
+ * int16 without overflow (8 x 3810 < 2^15); one madd by 254 (hi) and one by 1 (lo) then give the same
+ * exact integer 254 sh + sl per weight row, in row order (no hadd), and the float steps follow as there. */
+static void tile_avx2_row4(const tile_job *job, int64_t t, int64_t i0, int nrows) {
+    const int64_t groups = job->groups, k = job->k, gbytes = 4 * GROUP * TILE / 8;
+    const __m256i low = _mm256_set1_epi8(15), w254 = _mm256_set1_epi16(254), ones = _mm256_set1_epi16(1);
+    const int8_t *hrow = job->q + i0 * 2 * k, *lrow = hrow + k;
+    float out[TILE];
+    for (int h = 0; h < 2; h++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *tg = job->w + (t * groups + g) * gbytes + 32 * h;
+            if (h == 0) prefetch_ahead(tg, gbytes);
+            const int32_t *hq = (const int32_t *)(hrow + g * GROUP), *lq = (const int32_t *)(lrow + g * GROUP);
+            __m256i sh = _mm256_setzero_si256(), sl = sh;
+            for (int j = 0; j < 4; j++) {  /* inputs 4j.. in the low nibbles, 16 + 4j.. in the high */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * j));
+                const __m256i lo4 = _mm256_and_si256(v, low), hi4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(hq[j])));
+                sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(lq[j])));
+                sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(hq[4 + j])));
+                sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(lq[4 + j])));
+            }
+            const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(sh, w254), _mm256_madd_epi16(sl, ones));
+            const __m256 s = _mm256_cvtepi32_ps(sum);
+            const int64_t sg = (t * groups + g) * TILE + 8 * h, at = i0 * groups + g;
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg)));
+            const __m256 mv = job->m != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)))
+                                             : _mm256_mul_ps(dv, _mm256_set1_ps(-job->zero));
+            acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), acc);
+            acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(job->bx[at]), acc);
+        }
+        _mm256_storeu_ps(out + 8 * h, acc);
+    }
+    const int64_t at = i0 * job->n + t * TILE;
+    for (int j = 0; j < nrows; j++) job->y[at + j] = job->residual != NULL ? out[j] + job->residual[at + j] : out[j];
+}
+
 /* Activation rows [i, end) against tile t in one pass (a block has at most MBLOCK = 8 rows): every
  * pass unpacks the tile's weights again, which at a few rows (a speculative step's k + 1, a small
  * batch) costs about as much as the rows' products, so 5 rows are not run as 4 + 1. */
@@ -383,7 +423,10 @@ __attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_
     case 4: tile_avx2(4, job, t, i, nrows); break;
     case 3: tile_avx2(3, job, t, i, nrows); break;
     case 2: tile_avx2(2, job, t, i, nrows); break;
-    case 1: tile_avx2(1, job, t, i, nrows); break;
+    case 1:
+        if (job->bits == 4) tile_avx2_row4(job, t, i, nrows);
+        else tile_avx2(1, job, t, i, nrows);
+        break;
     default: break;
     }
 }

@@ -307,6 +307,29 @@ static ALWAYS_INLINE void madd_rows(const int MB, __m256i *A, __m256i *B, __m256
     }
 }
 
+/* The AVX2 tiles' float steps, in tile_generic's order (one definition for both tile forms, so that
+ * both give its bits): a half-tile group's scales d and offsets m (m = -zero d when not stored) ... */
+static ALWAYS_INLINE __m256 group_scales_avx2(const tile_job *job, int64_t sg, __m256 *mv) {
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg)));
+    *mv = job->m != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)))
+                         : _mm256_mul_ps(dv, _mm256_set1_ps(-job->zero));
+    return dv;
+}
+
+/* ... an activation row's exact group sums (254 sh + sl per weight row, rows in order) into its
+ * accumulator (at: the row's group index into dx and bx) ... */
+static ALWAYS_INLINE __m256 add_group_avx2(const tile_job *job, __m256 acc, __m256i sums, __m256 dv, __m256 mv,
+                                           int64_t at) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), acc);
+    return _mm256_fmadd_ps(mv, _mm256_set1_ps(job->bx[at]), acc);
+}
+
+/* ... and row i's 16 results (+ residual) to y. */
+static ALWAYS_INLINE void store_row_avx2(const tile_job *job, const float *out, int64_t i, int64_t t, int nrows) {
+    const int64_t at = i * job->n + t * TILE;
+    for (int j = 0; j < nrows; j++) job->y[at + j] = job->residual != NULL ? out[j] + job->residual[at + j] : out[j];
+}
+
 /* The same sums as tile_generic on AVX2 (+ FMA, F16C) for MB (1 to 8, constant at the call site)
  * activation rows, one half of the tile (8 outputs) at a time. The activations are the two planes
  * combined, x16 = 254 hi + lo, and the weights are widened to 16 bits, so one madd (pairs of s16 x
@@ -350,31 +373,21 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
                     madd_rows(MB, A, B, _mm256_unpacklo_epi8(v, zero), _mm256_unpackhi_epi8(v, zero), xg + 4 * c, k);
                 }
             }
-            const int64_t sg = (t * groups + g) * TILE + 8 * h;
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg)));
-            const __m256 mv = job->m != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)))
-                                             : _mm256_mul_ps(dv, _mm256_set1_ps(-job->zero));
-            for (int r = 0; r < MB; r++) {
-                const int64_t at = (i0 + r) * groups + g;
-                const __m256 s = _mm256_cvtepi32_ps(_mm256_hadd_epi32(A[r], B[r]));   /* rows 0..7 in order */
-                acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), acc[r]);
-                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(job->bx[at]), acc[r]);
-            }
+            __m256 mv;
+            const __m256 dv = group_scales_avx2(job, (t * groups + g) * TILE + 8 * h, &mv);
+            for (int r = 0; r < MB; r++)   /* (hadd: rows 0..7 in order) */
+                acc[r] = add_group_avx2(job, acc[r], _mm256_hadd_epi32(A[r], B[r]), dv, mv, (i0 + r) * groups + g);
         }
         for (int r = 0; r < MB; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
     }
-    for (int r = 0; r < MB; r++) {
-        const int64_t at = (i0 + r) * job->n + t * TILE;
-        for (int j = 0; j < nrows; j++)
-            job->y[at + j] = job->residual != NULL ? out[r][j] + job->residual[at + j] : out[r][j];
-    }
+    for (int r = 0; r < MB; r++) store_row_avx2(job, out[r], i0 + r, t, nrows);
 }
 
 /* tile_avx2 for one activation row of a 4-bit weight (a batch-1 decode step's), with less work per
  * weight byte: the nibbles stay bytes and vpmaddubsw multiplies them by each int8 plane (u8 x s8, 32
  * products at once), whose pair sums (at most 2 x 15 x 127) add up over the group's 8 input quads in
  * int16 without overflow (8 x 3810 < 2^15); one madd by 254 (hi) and one by 1 (lo) then give the same
- * exact integer 254 sh + sl per weight row, in row order (no hadd), and the float steps follow as there. */
+ * exact integer 254 sh + sl per weight row, in row order (no hadd), and the same float steps. */
 static void tile_avx2_row4(const tile_job *job, int64_t t, int64_t i0, int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = 4 * GROUP * TILE / 8;
     const __m256i low = _mm256_set1_epi8(15), w254 = _mm256_set1_epi16(254), ones = _mm256_set1_epi16(1);
@@ -395,19 +408,14 @@ static void tile_avx2_row4(const tile_job *job, int64_t t, int64_t i0, int nrows
                 sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(hq[4 + j])));
                 sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(lq[4 + j])));
             }
-            const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(sh, w254), _mm256_madd_epi16(sl, ones));
-            const __m256 s = _mm256_cvtepi32_ps(sum);
-            const int64_t sg = (t * groups + g) * TILE + 8 * h, at = i0 * groups + g;
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->d + sg)));
-            const __m256 mv = job->m != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(job->m + sg)))
-                                             : _mm256_mul_ps(dv, _mm256_set1_ps(-job->zero));
-            acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), acc);
-            acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(job->bx[at]), acc);
+            const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(sh, w254), _mm256_madd_epi16(sl, ones));
+            __m256 mv;
+            const __m256 dv = group_scales_avx2(job, (t * groups + g) * TILE + 8 * h, &mv);
+            acc = add_group_avx2(job, acc, sums, dv, mv, i0 * groups + g);
         }
         _mm256_storeu_ps(out + 8 * h, acc);
     }
-    const int64_t at = i0 * job->n + t * TILE;
-    for (int j = 0; j < nrows; j++) job->y[at + j] = job->residual != NULL ? out[j] + job->residual[at + j] : out[j];
+    store_row_avx2(job, out, i0, t, nrows);
 }
 
 /* Activation rows [i, end) against tile t in one pass (a block has at most MBLOCK = 8 rows): every

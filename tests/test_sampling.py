@@ -22,7 +22,8 @@ from tokenmill.sampling import (
     SamplingParamsError,
     StopStringMatcher,
 )
-from tokenmill.sampling.processing import processed_logits
+from tokenmill.sampling.processing import filter_top_k_top_p, processed_logits
+from tokenmill.sampling.sampler import exponential
 
 INF = float("inf")
 
@@ -276,6 +277,53 @@ def test_top_p_sees_the_distribution_renormalized_after_top_k() -> None:
     assert kept(processed[1]) == {0, 1}
 
 
+def reference_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-k then top-p keep ([B, V] bool), the plain way: sort every row whole, in
+    float64."""
+    ordered = logits.double().sort(dim=-1, descending=True).values
+    kth = ordered.gather(1, (top_k - 1).unsqueeze(1))
+    probs = ordered.masked_fill(ordered < kth, -INF).softmax(dim=-1)
+    needed = ((probs.cumsum(dim=-1) - probs) < top_p.double().unsqueeze(1)).sum(-1, keepdim=True).clamp_min(1)
+    threshold = torch.where(top_p.unsqueeze(1) >= 1, kth, torch.maximum(kth, ordered.gather(1, needed - 1)))
+    return logits.double() >= threshold
+
+
+def test_top_k_top_p_at_a_real_vocabulary_size_matches_sorting_everything() -> None:
+    """Rows whose filters the first candidates decide, rows that need more of them (a wide nucleus, a
+    top-k past the first candidates or tied past them), and rows that need the whole row sorted: the
+    kept tokens are the plain sort's, up to float rounding at the top-p boundary (a token is kept or
+    dropped alike with top_p moved by 1e-4 either way)."""
+    vocab = 8192
+    gen = torch.Generator().manual_seed(3)
+    zipf = -torch.arange(1, vocab + 1, dtype=torch.float32).log()   # the top 256 hold ~64% of the mass
+    peaked = torch.randn(vocab, generator=gen)
+    peaked[17] = 15.0
+    tied = torch.randn(vocab, generator=gen)
+    tied[:300] = 8.0   # 300 tokens tied for the largest logit
+    head = tied.clone()
+    head[300] = 14.0   # 57.5% of the mass after top-k = 50 (61% if the ties past 255 were missed)
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    banned = torch.randn(vocab, generator=gen) * 3
+    banned[::3] = -INF
+    cases = [  # (row, top_k (vocab: off), top_p)
+        (peaked, vocab, 0.9), (peaked, 5, 0.95), (zipf, vocab, 0.9), (zipf, vocab, 0.5), (zipf, 40, 0.99),
+        (zipf, 300, 0.7), (zipf, 5000, 0.95), (zipf, 5000, 1.0), (tied, 50, 1.0), (tied, 50, 0.5),
+        (tied, vocab, 0.99), (head, 50, 0.6), (flat, vocab, 0.9), (flat, 100, 0.9), (flat, vocab, 0.3),
+        (banned, vocab, 0.95), (banned, 3000, 0.99), (torch.randn(vocab, generator=gen) * 4, vocab, 0.9),
+    ]
+    # each row's tokens in its own order, so that the candidates are not simply its first tokens
+    logits = torch.stack([row[torch.randperm(vocab, generator=gen)] for row, _, _ in cases])
+    top_k = torch.tensor([k for _, k, _ in cases])
+    top_p = torch.tensor([p for _, _, p in cases])
+    kept_now = filter_top_k_top_p(logits, top_k, top_p) > -INF
+    fewer = reference_top_k_top_p(logits, top_k, (top_p - 1e-4).where(top_p < 1, top_p))
+    more = reference_top_k_top_p(logits, top_k, (top_p + 1e-4).clamp(max=1.0))
+    for row in range(len(cases)):
+        assert (fewer[row] <= kept_now[row]).all() and (kept_now[row] <= more[row]).all(), f"case {row}"
+    assert torch.equal(kept_now[:2].sum(-1), torch.tensor([1, 1]))
+    assert int(kept_now[8].sum()) == int(kept_now[9].sum()) == 300   # ties at the top-k boundary all kept
+
+
 @pytest.mark.parametrize(
     ("min_p", "temperature", "survivors"),
     [
@@ -461,6 +509,23 @@ def test_seeded_row_is_independent_of_its_batch() -> None:
     assert other_seed != alone
     unseeded = [run_steps([(SamplingParams(temperature=0.9), mine)], 0, steps, s) for s in (1, 2)]
     assert unseeded[0] != unseeded[1]  # the global generator is used for unseeded rows
+
+
+def test_cpu_noise_is_exponential_draws_bit_for_bit() -> None:
+    """sampler.exponential computes the CPU noise its own (faster) way; it must be exactly what
+    Tensor.exponential_ draws from the same generator state, and leave the same state behind, so
+    that a seeded request's tokens are those exponential_ would give."""
+    for shape in [(1000,), (3, 49152)]:
+        mine, theirs = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        for _ in range(2):
+            drawn = exponential(shape, mine, torch.device("cpu"))
+            assert drawn.dtype == torch.float32 and drawn.shape == shape
+            assert torch.equal(drawn, torch.empty(shape).exponential_(generator=theirs))
+        assert torch.equal(mine.get_state(), theirs.get_state())
+    torch.manual_seed(5)
+    drawn = exponential((2, 300), None, torch.device("cpu"))
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.empty(2, 300).exponential_())
 
 
 # --------------------------------------------------------------------------- logprobs

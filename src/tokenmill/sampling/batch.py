@@ -35,6 +35,7 @@ class SamplingBatch:
     greedy: torch.Tensor
     """[B] bool: rows that take the argmax of their processed logits."""
     all_greedy: bool
+    any_greedy: bool
     top_k: torch.Tensor | None
     """[B] int64 in [1, V]; V on rows without top-k. None when no row uses top-k or top-p."""
     top_p: torch.Tensor | None
@@ -160,6 +161,7 @@ class SamplingBatch:
             temperature=row_vector([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]),
             greedy=row_vector(greedy, torch.bool),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             top_k=top_k,
             top_p=top_p,
             min_p=vector_unless_all([p.min_p for p in params], 0.0),

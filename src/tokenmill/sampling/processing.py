@@ -53,29 +53,63 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+# Candidate counts tried before a full sort: top-k of a row is far cheaper than sorting its whole
+# vocabulary, and a model's nucleus is rarely wider than a few hundred tokens.
+CANDIDATES = (256, 4096)
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the top_k most likely tokens, then the nucleus of mass top_p among them.
 
-    One descending sort serves both. Ties at either boundary are kept (every token whose logit
-    equals the last one kept survives), so the result does not depend on how the sort orders
-    equal logits. Top-p sees the distribution renormalized after top-k, as in HF and vLLM.
+    Both filters keep the tokens at or above a threshold logit, so ties at either boundary are kept
+    (every token whose logit equals the last one kept survives), and the result does not depend on
+    how a sort orders equal logits. Top-p sees the distribution renormalized after top-k, as in HF
+    and vLLM. A row's thresholds come from its largest CANDIDATES[0] logits in descending order
+    when those decide them (they hold the top-k, all its ties, and at least top_p of the mass), else
+    from more candidates, and at last from the whole row sorted.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    kth_largest = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-    keep = sorted_logits >= kth_largest
-    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    rows, vocab = logits.shape
+    threshold = torch.empty(rows, device=logits.device)
+    normalizer = logits.logsumexp(dim=-1)   # of the rows without top-k: their whole row
+    pending = torch.arange(rows, device=logits.device)
+    for size in [c for c in CANDIDATES if c < vocab] + [vocab]:
+        sub = logits if len(pending) == rows else logits[pending]
+        candidates = sub.topk(size, dim=-1).values if size < vocab else sub.sort(dim=-1, descending=True).values
+        found, decided = _thresholds(candidates, vocab, top_k[pending], top_p[pending], normalizer[pending])
+        threshold[pending[decided]] = found[decided]
+        pending = pending[~decided]
+        if len(pending) == 0:
+            break
+    return logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
 
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exclusive cumsum; 0 at position 0
+
+def _thresholds(candidates: torch.Tensor, vocab: int, top_k: torch.Tensor, top_p: torch.Tensor,
+                normalizer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows given by their largest logits in descending order ([n, C]; C = vocab: the whole
+    row): each row's threshold logit, and whether these candidates decide it. `normalizer`: the
+    logsumexp of the row's whole logits (used by rows without top-k)."""
+    size = candidates.shape[1]
+    has_top_k = top_k < vocab
+    kth_largest = candidates.gather(1, (top_k.clamp(max=size) - 1).unsqueeze(1)).squeeze(1)
+    kept = candidates.masked_fill(candidates < kth_largest.unsqueeze(1), float("-inf"))
+    # the kept tokens' own logsumexp: after top-k the distribution is renormalized over them
+    normalizer = torch.where(has_top_k, kept.logsumexp(dim=-1), normalizer)
+    probs = (kept - normalizer.unsqueeze(1)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    mass_before = F.pad(cumulative[:, :-1], (1, 0))  # exclusive cumsum; 0 at position 0
     # >= 1 whenever top_p > 0 (SamplingParams refuses values that round to 0 in float32); the
     # clamp keeps the most likely token even so, instead of indexing position -1.
     num_needed = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min_(1)
-    last_needed = sorted_logits.gather(1, num_needed - 1)
+    last_needed = candidates.gather(1, num_needed - 1).squeeze(1)
+    top_k_floor = torch.where(has_top_k, kth_largest, float("-inf"))
     # top_p = 1 keeps everything even where float rounding makes the cumsum reach 1 early.
-    keep &= (sorted_logits >= last_needed) | (top_p >= 1.0).unsqueeze(1)
-
-    keep_unsorted = torch.empty_like(keep).scatter_(1, order, keep)
-    return logits.masked_fill(~keep_unsorted, float("-inf"))
+    threshold = torch.where(top_p >= 1.0, top_k_floor, torch.maximum(top_k_floor, last_needed))
+    if size == vocab:
+        return threshold, torch.ones_like(has_top_k)
+    # the top-k and every token tied with its last are among the candidates ...
+    top_k_inside = ~has_top_k | ((top_k <= size) & (candidates[:, -1] < kth_largest))
+    # ... and so is the nucleus: the candidates' mass reaches top_p
+    return threshold, top_k_inside & ((top_p >= 1.0) | (cumulative[:, -1] >= top_p))
 
 
 def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

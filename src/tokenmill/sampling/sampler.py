@@ -66,12 +66,11 @@ class Sampler:
 
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Argmax on greedy rows, an exponential-race sample from softmax(logits) on the others."""
-    greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy_ids
+        return logits.argmax(dim=-1)
     probs = logits.softmax(dim=-1)
     sampled_ids = probs.div_(exponential_noise(batch, logits.device)).argmax(dim=-1)
-    return torch.where(batch.greedy, greedy_ids, sampled_ids)
+    return torch.where(batch.greedy, logits.argmax(dim=-1), sampled_ids) if batch.any_greedy else sampled_ids
 
 
 def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
@@ -79,23 +78,35 @@ def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tenso
     own draw from its generator (the only per-request Python work in the sampler), and the rows
     whose noise is given. Each kind of row is written in one indexed copy: a copy per row would be
     a kernel launch per row on a GPU."""
-    noise = torch.empty(batch.num_rows, batch.vocab_size, device=device).exponential_()
+    noise = exponential((batch.num_rows, batch.vocab_size), None, device)
     if batch.seeded_rows:
         rows = [row for row, _ in batch.seeded_rows]
         noise[rows] = torch.stack([_own_noise(g, batch.vocab_size) for _, g in batch.seeded_rows]).to(device)
     if batch.given_noise:
         noise[[row for row, _ in batch.given_noise]] = torch.stack([given for _, given in batch.given_noise])
-    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
+    # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
     return noise.clamp_min_(_TINY)
 
 
 _TINY = torch.finfo(torch.float32).tiny
 
 
+def exponential(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """float32 Exponential(1) draws of `shape` on `device`, from `generator` (None: the global one).
+
+    On a CPU, -log1p(-u) of float64 uniforms u: the values Tensor.exponential_ returns and the
+    generator state it leaves (it draws the same uniform per value and applies the same transform),
+    with a vectorized log1p where exponential_ calls the scalar one per value (most of a sampled
+    step's sampler time went there). Other devices run exponential_ itself (one fused kernel)."""
+    if torch.device(device).type == "cpu":
+        return torch.rand(shape, dtype=torch.float64, generator=generator).neg_().log1p_().neg_().float()
+    return torch.empty(shape, device=device).exponential_(generator=generator)
+
+
 def _own_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:
     """One row's draw from a request's own generator, on the generator's device: what one sampling
     step consumes from it."""
-    return torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+    return exponential((vocab_size,), generator, generator.device)
 
 
 def draw_noise(generator: torch.Generator | None, rows: int, vocab_size: int,
@@ -107,7 +118,7 @@ def draw_noise(generator: torch.Generator | None, rows: int, vocab_size: int,
     request's later tokens are those it would have had without drawing ahead; else from the
     global generator (states None)."""
     if generator is None:
-        return torch.empty(rows, vocab_size, device=device).exponential_().clamp_min_(_TINY), None
+        return exponential((rows, vocab_size), None, device).clamp_min_(_TINY), None
     states, noise = [generator.get_state()], []
     for _ in range(rows):
         noise.append(_own_noise(generator, vocab_size))

@@ -202,7 +202,9 @@ def _token_index(
 ) -> TokenIndex:
     """(rows, token_ids) of every token of every wanted row (all rows when rows_wanted is None)."""
     rows = [r for r in range(len(token_ids)) if rows_wanted is None or rows_wanted[r]]
-    # built on the host: repeat_interleave on device counts would wait for the device to learn the size
-    row_index = torch.tensor([r for r in rows for _ in token_ids[r]], dtype=torch.int64, device=device)
-    flat = torch.tensor(list(chain.from_iterable(token_ids[r] for r in rows)), dtype=torch.int64, device=device)
-    return row_index, flat
+    lengths = [len(token_ids[r]) for r in rows]
+    # built on the host (repeat_interleave on device counts would wait for the device to learn the
+    # size), by numpy: a row's prompt can be thousands of ids, and this runs every step
+    row_index = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    flat = np.fromiter(chain.from_iterable(token_ids[r] for r in rows), dtype=np.int64, count=sum(lengths))
+    return torch.from_numpy(row_index).to(device), torch.from_numpy(flat).to(device)

@@ -60,7 +60,8 @@ def test_engine_flags_pass_through_to_serve():
 
 def test_bench_serve_refuses_bad_options(tmp_path, capsys):
     for argv, words in ((["--concurrency", "0"], ["--concurrency"]), (["--request-rate", "-1"], ["--request-rate"]),
-                        (["--no-tokenmill"], ["nothing to measure"]),
+                        (["--no-tokenmill"], ["nothing to measure"]), (["--temperature", "-1"], ["--temperature"]),
+                        (["--top-p", "0"], ["--top-p"]), (["--top-p", "1.5"], ["--top-p"]),
                         (["--llama-server", str(tmp_path / "nope")], ["--llama-server", "not an executable"])):
         rc = main(["bench", "serve", "--num-requests", "2", "--output", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err
@@ -97,3 +98,31 @@ def test_a_token_that_renders_as_nothing_still_counts_as_streamed():
     assert streamed.ttft_s is not None and len(streamed.itl_s) == 1   # two token chunks before the finish
     nothing = asyncio.run(go("/none"))
     assert not nothing.ok and nothing.error == "no token streamed"
+
+
+def test_requests_carry_the_asked_sampling():
+    """Greedy by default; with --temperature, temperature and top_p with top-k and min-p off (so a
+    llama-server does not add its own default filters)."""
+    import asyncio
+
+    import httpx
+
+    from tokenmill.bench.serve import sampling_fields, stream_request
+
+    sent = []
+
+    def respond(request):
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=_sse({"choices": [{"text": "a", "index": 0, "finish_reason": "length"}]}))
+
+    async def go(sampling):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(respond)) as client:
+            return await stream_request(client, "http://peer/v1/completions", "m", [1, 2], 1, {}, 10.0, sampling)
+
+    assert asyncio.run(go(None)).ok and asyncio.run(go(sampling_fields(0.0, 0.5))).ok
+    assert asyncio.run(go(sampling_fields(1.0, 0.95))).ok
+    greedy, also_greedy, sampled = sent
+    assert greedy["temperature"] == also_greedy["temperature"] == 0.0 and "top_p" not in greedy
+    assert {k: sampled[k] for k in ("temperature", "top_p", "top_k", "min_p")} == \
+        {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "min_p": 0.0}
+    assert sampled["max_tokens"] == 1 and sampled["ignore_eos"] and sampled["prompt"] == [1, 2]

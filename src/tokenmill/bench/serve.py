@@ -1,8 +1,8 @@
 """`tokenmill bench serve`: a load generator for OpenAI-compatible servers (streaming completions).
 
 It replays N requests, the workload of `bench throughput` (input and output lengths drawn with a
-fixed seed, prompts as token ids of exactly those lengths, greedy, `ignore_eos` so every request
-generates exactly its output length), at fixed concurrency levels (C requests in flight at all
+fixed seed, prompts as token ids of exactly those lengths, greedy unless `--temperature`, `ignore_eos`
+so every request generates exactly its output length), at fixed concurrency levels (C requests in flight at all
 times) or at a request rate (Poisson arrivals, seeded), and reports per target and level:
 requests/s, output and total tokens/s, and time to first token (TTFT), inter-token latency (ITL:
 the gaps between streamed chunks that carry text) and end-to-end latency at p50 / p90 / p99, as a
@@ -58,6 +58,12 @@ def add_bench_serve_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=None,
                    help="requests per second, Poisson arrivals (instead of fixed concurrency)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (default 0: greedy). With a temperature, top_k 0 "
+                        "and min_p 0 are sent too, so that llama-server samples with temperature and top-p only "
+                        "(its defaults add top-k 40 and min-p 0.05); it applies top-p before the temperature, "
+                        "so the two engines draw from the same distribution at temperature 1")
+    g.add_argument("--top-p", type=float, default=1.0, help="every request's top_p, with --temperature")
     g = b.add_argument_group("targets")
     g.add_argument("--base-url", action="append", default=[],
                    help="also measure this running OpenAI-compatible server (e.g. http://127.0.0.1:8080); "
@@ -87,11 +93,21 @@ class RequestResult:
     output_tokens: int = 0          # from the usage chunk, else the token chunks
 
 
+def sampling_fields(temperature: float, top_p: float) -> dict[str, float]:
+    """A request body's sampling fields: greedy at temperature 0, else temperature and top-p with
+    every other filter off (top_k 0 and min_p 0 mean off to tokenmill, vLLM and llama-server)."""
+    if temperature == 0:
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}
+
+
 async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,
-                         headers: dict[str, str], timeout: float) -> RequestResult:
-    """One greedy streamed completion of exactly `output_len` tokens, timed chunk by chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+                         headers: dict[str, str], timeout: float,
+                         sampling: dict[str, float] | None = None) -> RequestResult:
+    """One streamed completion of exactly `output_len` tokens, timed chunk by chunk; greedy unless
+    `sampling` (sampling_fields) says otherwise."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, **(sampling or sampling_fields(0.0, 1.0)),
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(len(prompt), output_len)
     start = time.perf_counter()
     last = None
@@ -138,7 +154,7 @@ async def stream_request(client: Any, url: str, model: str, prompt: list[int], o
 
 async def run_level(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int],
                      concurrency: int | None, rate: float | None, seed: int, api_key: str | None,
-                     timeout: float) -> tuple[list[RequestResult], float]:
+                     timeout: float, sampling: dict[str, float] | None = None) -> tuple[list[RequestResult], float]:
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -151,7 +167,8 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
         async def run(i: int, delay: float) -> RequestResult:
             await asyncio.sleep(delay)
             async with semaphore:
-                return await stream_request(client, url, model, prompts[i], output_lens[i], headers, timeout)
+                return await stream_request(client, url, model, prompts[i], output_lens[i], headers, timeout,
+                                            sampling)
 
         delays, t = [], 0.0
         for _ in prompts:
@@ -290,6 +307,10 @@ def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], 
         raise TokenmillError(f"--concurrency: must be >= 1, got {args.concurrency}")
     if args.no_tokenmill and not args.base_url and not args.llama_server:
         raise TokenmillError("nothing to measure: --no-tokenmill without --base-url or --llama-server")
+    if not args.temperature >= 0:
+        raise TokenmillError(f"--temperature: must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise TokenmillError(f"--top-p: must be in (0, 1], got {args.top_p}")
     return input_range, output_range, levels
 
 
@@ -325,7 +346,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
            "input_len_range": list(input_range), "output_len_range": list(output_range),
            "input_tokens": sum(input_lens), "output_tokens": sum(output_lens),
            "concurrency": levels, "request_rate": args.request_rate, "tokenmill_flags": engine_argv(args),
-           "cpu_count": os.cpu_count(), "llama_repack": peers.llama_repack()}
+           "cpu_count": os.cpu_count(), "llama_repack": peers.llama_repack(),
+           "sampling": sampling_fields(args.temperature, args.top_p)}
     ctx_per_slot = context_for(input_range[1] + output_range[1])
     rows: list[dict[str, Any]] = []
     for name, base_url, api_key in targets:
@@ -353,7 +375,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                     label += f" (cap {level})"
                 print(f"  {name}: {label} ...", flush=True)
                 results, elapsed = asyncio.run(run_level(base_url, served, level_prompts, output_lens, level,
-                                                          args.request_rate, args.seed, api_key, args.timeout))
+                                                          args.request_rate, args.seed, api_key, args.timeout,
+                                                          cfg["sampling"]))
                 rows.append({"target": name, "base_url": base_url, "served_model": served, "level": label,
                              "concurrency": level, "request_rate": args.request_rate,
                              "ready_s": ready_s if process is not None else None,
@@ -374,13 +397,20 @@ def _fmt(v: float | None, spec: str = "{:.0f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
+def _describe_sampling(sampling: dict[str, float] | None) -> str:
+    if not sampling or sampling["temperature"] == 0:
+        return "greedy"
+    return f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g} (top_k, min_p off)"
+
+
 def _print_report(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print(f"\nmodel: {cfg['model']}")
     if any(r["target"] == "llama-server" for r in rows):
         peers.print_repack_note(cfg.get("llama_repack"))
     print(f"workload: {cfg['num_requests']} requests, input {cfg['input_len_range'][0]}-{cfg['input_len_range'][1]} "
           f"tokens, output {cfg['output_len_range'][0]}-{cfg['output_len_range'][1]} tokens "
-          f"({cfg['output_tokens']} in all), seed {cfg['seed']}, greedy, ignore_eos, streaming")
+          f"({cfg['output_tokens']} in all), seed {cfg['seed']}, {_describe_sampling(cfg.get('sampling'))}, "
+          "ignore_eos, streaming")
     header = (f"{'target':<16}{'load':<22}{'ok':>5}{'req/s':>8}{'out tok/s':>10}{'tot tok/s':>10}"
               f"{'TTFT p50/p90/p99 ms':>22}{'ITL p50/p90/p99 ms':>21}{'E2E p50/p90/p99 s':>20}")
     print("\n" + header)

@@ -64,14 +64,28 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     Both filters keep the tokens at or above a threshold logit, so ties at either boundary are kept
     (every token whose logit equals the last one kept survives), and the result does not depend on
     how a sort orders equal logits. Top-p sees the distribution renormalized after top-k, as in HF
-    and vLLM. A row's thresholds come from its largest CANDIDATES[0] logits in descending order
-    when those decide them (they hold the top-k, all its ties, and at least top_p of the mass), else
-    from more candidates, and at last from the whole row sorted.
+    and vLLM. On a CPU, a row's thresholds come from its largest CANDIDATES[0] logits in descending
+    order when those decide them (they hold the top-k, all its ties, and at least top_p of the
+    mass), else from more candidates, and at last from the whole row sorted.
     """
-    rows, vocab = logits.shape
-    threshold = torch.empty(rows, device=logits.device)
+    vocab = logits.shape[1]
     normalizer = logits.logsumexp(dim=-1)   # of the rows without top-k: their whole row
-    pending = torch.arange(rows, device=logits.device)
+    if logits.device.type == "cpu":
+        threshold = _staged_thresholds(logits, top_k, top_p, normalizer)
+    else:
+        # one sort of every row: the stages need to know how many rows each decided, a host sync on
+        # an accelerator (where the sort is fast anyway)
+        threshold, _ = _thresholds(logits.sort(dim=-1, descending=True).values, vocab, top_k, top_p, normalizer)
+    return logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+
+
+def _staged_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       normalizer: torch.Tensor) -> torch.Tensor:
+    """[B] threshold logits from each row's top CANDIDATES[0], then CANDIDATES[1], ..., then all of
+    it sorted: each row from the first that decides it."""
+    rows, vocab = logits.shape
+    threshold = torch.empty(rows)
+    pending = torch.arange(rows)
     for size in [c for c in CANDIDATES if c < vocab] + [vocab]:
         sub = logits if len(pending) == rows else logits[pending]
         candidates = sub.topk(size, dim=-1).values if size < vocab else sub.sort(dim=-1, descending=True).values
@@ -80,7 +94,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         pending = pending[~decided]
         if len(pending) == 0:
             break
-    return logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+    return threshold
 
 
 def _thresholds(candidates: torch.Tensor, vocab: int, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -62,6 +62,7 @@ def test_bench_serve_refuses_bad_options(tmp_path, capsys):
     for argv, words in ((["--concurrency", "0"], ["--concurrency"]), (["--request-rate", "-1"], ["--request-rate"]),
                         (["--no-tokenmill"], ["nothing to measure"]), (["--temperature", "-1"], ["--temperature"]),
                         (["--top-p", "0"], ["--top-p"]), (["--top-p", "1.5"], ["--top-p"]),
+                        (["--top-p", "0.9"], ["--top-p", "greedy"]),
                         (["--llama-server", str(tmp_path / "nope")], ["--llama-server", "not an executable"])):
         rc = main(["bench", "serve", "--num-requests", "2", "--output", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err

@@ -1,10 +1,10 @@
 """`tokenmill bench serve`: a load generator for OpenAI-compatible servers (streaming completions).
 
 It replays N requests, the workload of `bench throughput` (input and output lengths drawn with a
-fixed seed, prompts as token ids of exactly those lengths, greedy unless `--temperature`, `ignore_eos`
-so every request generates exactly its output length), at fixed concurrency levels (C requests in flight at all
-times) or at a request rate (Poisson arrivals, seeded), and reports per target and level:
-requests/s, output and total tokens/s, and time to first token (TTFT), inter-token latency (ITL:
+fixed seed, prompts as token ids of exactly those lengths, greedy unless `--temperature`,
+`ignore_eos` so every request generates exactly its output length), at fixed concurrency levels (C
+requests in flight at all times) or at a request rate (Poisson arrivals, seeded), and reports per
+target and level: requests/s, output and total tokens/s, and time to first token (TTFT), inter-token latency (ITL:
 the gaps between streamed chunks that carry text) and end-to-end latency at p50 / p90 / p99, as a
 table and as JSON. Each level gets its own prompts (same lengths, a different tag at the start), so
 no level finds the previous one's prompts in the server's prefix cache.
@@ -311,6 +311,8 @@ def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], 
         raise TokenmillError(f"--temperature: must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise TokenmillError(f"--top-p: must be in (0, 1], got {args.top_p}")
+    if args.top_p != 1 and args.temperature == 0:
+        raise TokenmillError("--top-p: greedy requests (--temperature 0, the default) take no top_p")
     return input_range, output_range, levels
 
 

@@ -4,10 +4,11 @@ It replays N requests, the workload of `bench throughput` (input and output leng
 fixed seed, prompts as token ids of exactly those lengths, greedy unless `--temperature`,
 `ignore_eos` so every request generates exactly its output length), at fixed concurrency levels (C
 requests in flight at all times) or at a request rate (Poisson arrivals, seeded), and reports per
-target and level: requests/s, output and total tokens/s, and time to first token (TTFT), inter-token latency (ITL:
-the gaps between streamed chunks that carry text) and end-to-end latency at p50 / p90 / p99, as a
-table and as JSON. Each level gets its own prompts (same lengths, a different tag at the start), so
-no level finds the previous one's prompts in the server's prefix cache.
+target and level: requests/s, output and total tokens/s, and time to first token (TTFT),
+inter-token latency (ITL: the gaps between streamed chunks that carry text) and end-to-end latency
+at p50 / p90 / p99, as a table and as JSON. Each level gets its own prompts (same lengths, a
+different tag at the start), so no level finds the previous one's prompts in the server's prefix
+cache.
 
 Targets, measured one after the other in the same run on the same requests:
 - tokenmill: `tokenmill serve` started here on a free port, with the engine flags given (default);

@@ -23,7 +23,7 @@ from tokenmill.sampling import (
     StopStringMatcher,
 )
 from tokenmill.sampling.processing import filter_top_k_top_p, processed_logits
-from tokenmill.sampling.sampler import exponential
+from tokenmill.sampling.sampler import exponential, inverse_cdf
 
 INF = float("inf")
 
@@ -378,6 +378,15 @@ def test_sampling_frequencies_match_the_filtered_distribution() -> None:
     assert 2 <= int((expected > 0).sum()) < 6  # the filters really removed tokens
     samples = Sampler()(logits.repeat(num_draws, 1), batch).token_ids
     assert_frequencies_match(samples, expected)
+
+
+def test_inverse_cdf_never_lands_on_a_token_of_probability_zero() -> None:
+    """The unseeded rows' draw: token i covers [cdf[i - 1], cdf[i]) of the unit interval, scaled by
+    the row's total; tokens of probability 0 cover nothing, at either end or between others."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5 + [[0.0, 0.0, 2.0, 0.0, 1.0]] * 3)
+    uniform = torch.tensor([0.0, 0.2499, 0.25, 0.9999, 1.0,   # 1.0: u x total at the total itself
+                            0.0, 2 / 3, 1.0], dtype=torch.float64)
+    assert inverse_cdf(probs, uniform).tolist() == [1, 1, 3, 3, 3, 2, 4, 4]
 
 
 def test_seeded_sampling_frequencies() -> None:

@@ -9,13 +9,14 @@ target's token after them (1 to k + 1 tokens) are appended; the K/V of rejected 
 back (`KVCacheManager.truncate`).
 
 Why the output distribution is exactly the target's: each row's token is drawn from the target's
-processed distribution at that position (the exponential race: argmax(p / E), E ~ Exp(1) per
-token), given the tokens before it, and a row is only kept when every token before it is the
-target's own sample too. So every kept token is the token plain decoding would have drawn from the
+processed distribution at that position, given the tokens before it, and a row is only kept when
+every token before it is the target's own sample too. A seeded request's rows draw with noise drawn
+ahead from its generator (the exponential race: argmax(p / E), E ~ Exp(1) per token; see
+sampling/sampler.py), so every kept token is the token plain decoding would have drawn from the
 same noise. For a proposer that proposes one token deterministically (n-gram lookup), this is
 rejection sampling's rule exactly (accept d with probability p(d); on rejection, a draw from p
 without d). A draft model samples its proposals with the same noise E as the rows that verify them
-(drawn ahead, `sampler.draw_noise`): its token is argmax(q / E), accepted when it equals
+(drawn ahead, `sampler.draw_noise`, seeded or not): its token is argmax(q / E), accepted when it equals
 argmax(p / E), which happens with probability at least (1 - TV) / (1 + TV) for TV the total
 variation between p and q (Leviathan et al.'s residual rule reaches 1 - TV; it needs a fresh
 uniform per row, so a seeded request's tokens would depend on its proposals). With the same
@@ -402,7 +403,10 @@ class Speculator:
         self._proposed = (time.perf_counter() - start, proposed) if self.proposer.steady else (0.0, 0)
 
     def _draw_noise(self, request: Request, rows: int) -> None:
-        if not request.params.is_greedy:
+        # A sampled row needs noise drawn ahead only to be the token plain decoding would draw from
+        # the request's own generator, or to be compared with a draft sampled from the same noise;
+        # an unseeded row under a proposer that does not sample draws as any row does.
+        if not request.params.is_greedy and (request.generator is not None or self.proposer.samples):
             request.spec_noise, request.spec_noise_states = draw_noise(request.generator, rows, self.vocab_size,
                                                                        self.device)
 

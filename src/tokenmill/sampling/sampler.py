@@ -2,10 +2,13 @@
 
 It holds no engine state. Greedy rows take the argmax of their processed logits; when every row
 is greedy and nothing can move the argmax (no bias, suppression or penalty), it is one argmax of
-the raw logits. Sampled rows use the exponential race: token = argmax(probs / q) with
-q ~ Exponential(1) per token, which picks token i with probability probs[i]. A seeded request
-draws its q row from its own generator, so its tokens do not depend on its batch neighbours;
-all other rows share one draw from the global generator.
+the raw logits. A sampled row of a seeded request (and one whose noise was drawn ahead for
+speculative decoding) uses the exponential race: token = argmax(probs / q) with q ~ Exponential(1)
+per token, which picks token i with probability probs[i]; it draws its q row from its own
+generator, so its tokens do not depend on its batch neighbours. The other sampled rows invert their
+distribution's CDF at one uniform each from the global generator: the same distribution from one
+random number per row instead of one per vocabulary entry (a Mersenne Twister draw per entry cost
+more than the rest of the sampler).
 
 Log-probabilities are of the RAW model distribution (log_softmax of the logits as given, before
 bias, penalties, temperature and filters), as vLLM returns by default; on a row with a grammar,
@@ -65,27 +68,32 @@ class Sampler:
 
 
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Argmax on greedy rows, an exponential-race sample from softmax(logits) on the others."""
+    """Argmax on greedy rows, a sample from softmax(logits) on the others: the exponential race on
+    rows with a seed or given noise, the inverse CDF on the rest."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     probs = logits.softmax(dim=-1)
-    sampled_ids = probs.div_(exponential_noise(batch, logits.device)).argmax(dim=-1)
+    sampled_ids = inverse_cdf(probs, torch.rand(batch.num_rows, dtype=torch.float64, device=logits.device))
+    raced = [row for row, _ in batch.seeded_rows] + [row for row, _ in batch.given_noise]
+    if raced:
+        noise = torch.stack([_own_noise(g, batch.vocab_size).to(logits.device) for _, g in batch.seeded_rows]
+                            + [given for _, given in batch.given_noise])
+        # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
+        sampled_ids[raced] = probs[raced].div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
     return torch.where(batch.greedy, logits.argmax(dim=-1), sampled_ids) if batch.any_greedy else sampled_ids
 
 
-def exponential_noise(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
-    """[B, V] Exponential(1) draws: one global draw for all rows, then each sampled seeded row's
-    own draw from its generator (the only per-request Python work in the sampler), and the rows
-    whose noise is given. Each kind of row is written in one indexed copy: a copy per row would be
-    a kernel launch per row on a GPU."""
-    noise = exponential((batch.num_rows, batch.vocab_size), None, device)
-    if batch.seeded_rows:
-        rows = [row for row, _ in batch.seeded_rows]
-        noise[rows] = torch.stack([_own_noise(g, batch.vocab_size) for _, g in batch.seeded_rows]).to(device)
-    if batch.given_noise:
-        noise[[row for row, _ in batch.given_noise]] = torch.stack([given for _, given in batch.given_noise])
-    # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
-    return noise.clamp_min_(_TINY)
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[B] token ids: row b's id is where its CDF (probs[b] / probs[b].sum()) first exceeds
+    uniform[b] ([B] float64 in [0, 1)), i.e. a draw from that distribution. The CDF is summed in
+    float64: a float32 running sum over a whole vocabulary rounds by up to ~V ulps, which would move
+    that much mass between tokens. The point is kept below the total (u x total can round up to it),
+    and a token of probability 0 adds nothing to the CDF, so the first entry above the point is
+    never one."""
+    cdf = probs.double().cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(1)
 
 
 _TINY = torch.finfo(torch.float32).tiny

@@ -22,6 +22,7 @@ from tokenmill.sampling import (
     SamplingParamsError,
     StopStringMatcher,
 )
+from tokenmill.sampling import sampler as sampler_module
 from tokenmill.sampling.processing import filter_top_k_top_p, processed_logits
 from tokenmill.sampling.sampler import exponential, inverse_cdf
 
@@ -387,6 +388,25 @@ def test_inverse_cdf_never_lands_on_a_token_of_probability_zero() -> None:
     uniform = torch.tensor([0.0, 0.2499, 0.25, 0.9999, 1.0,   # 1.0: u x total at the total itself
                             0.0, 2 / 3, 1.0], dtype=torch.float64)
     assert inverse_cdf(probs, uniform).tolist() == [1, 1, 3, 3, 3, 2, 4, 4]
+
+
+@pytest.mark.parametrize("max_rounds", [16, 1, 0])
+@pytest.mark.parametrize("top_p, min_p, support", [(0.12, 0.0, 3), (0.5, 0.1, 4)])
+def test_nucleus_draws_match_the_thresholds(monkeypatch, max_rounds: int, top_p: float, min_p: float,
+                                            support: int) -> None:
+    """Unseeded rows draw top-p by rejection (sampler.sample_nucleus) rather than from thresholds:
+    their frequencies must match processed_logits' distribution. 83% of the mass is in a tail of
+    196 tied tokens, so most first draws fall outside a nucleus of 3 (tokens 1 and 2 tied at its
+    edge: both kept) and take more rounds; with min-p the tail is never drawn. max_rounds 1 and 0
+    send the rows still drawing (or every row) to the thresholds' fallback."""
+    monkeypatch.setattr(sampler_module, "MAX_ROUNDS", max_rounds)
+    torch.manual_seed(7)
+    logits = torch.cat([torch.tensor([2.0, 1.0, 1.0, 0.5]), torch.full((196,), -1.0)])
+    params = [SamplingParams(temperature=1.0, top_p=top_p, min_p=min_p)] * 20000
+    expected = processed_logits(logits.unsqueeze(0), make_batch(params[:1], 200))[0].softmax(-1)
+    assert int((expected > 0).sum()) == support
+    samples = Sampler()(logits.repeat(len(params), 1), make_batch(params, 200)).token_ids
+    assert_frequencies_match(samples, expected)
 
 
 def test_seeded_sampling_frequencies() -> None:

@@ -37,9 +37,9 @@ class SamplingBatch:
     all_greedy: bool
     any_greedy: bool
     top_k: torch.Tensor | None
-    """[B] int64 in [1, V]; V on rows without top-k. None when no row uses top-k or top-p."""
+    """[B] int64 in [1, V]; V on rows without top-k. None when no row uses top-k."""
     top_p: torch.Tensor | None
-    """[B] float32 in (0, 1]. None when no row uses top-k or top-p."""
+    """[B] float32 in (0, 1]; 1 on rows without top-p. None when no row uses top-p."""
     min_p: torch.Tensor | None
     """[B] float32 in [0, 1]. None when no row uses min-p."""
     repetition_penalty: torch.Tensor | None
@@ -124,11 +124,9 @@ class SamplingBatch:
             return row_vector(values) if any(v != neutral for v in values) else None
 
         greedy = [p.is_greedy for p in params]
-        top_k = top_p = None
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            # top_k = 0 (off) and top_k > V both mean "keep all V".
-            top_k = row_vector([min(p.top_k, vocab_size) or vocab_size for p in params], torch.int64)
-            top_p = row_vector([p.top_p for p in params])
+        # top_k = 0 (off) and top_k >= V both mean "keep all V".
+        top_k = [min(p.top_k, vocab_size) or vocab_size for p in params]
+        top_k = row_vector(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None
 
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
         uses_penalty = [
@@ -163,7 +161,7 @@ class SamplingBatch:
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             top_k=top_k,
-            top_p=top_p,
+            top_p=vector_unless_all([p.top_p for p in params], 1.0),
             min_p=vector_unless_all([p.min_p for p in params], 0.0),
             repetition_penalty=vector_unless_all([p.repetition_penalty for p in params], 1.0),
             presence_penalty=vector_unless_all([p.presence_penalty for p in params], 0.0),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sampling.batch import SamplingBatch
-from tokenmill.sampling.processing import processed_logits
+from tokenmill.sampling.processing import logits_before_top_p, nucleus_filtered
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Sampler:
         if batch.all_greedy and not batch.needs_logit_processing:
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = _choose(processed_logits(logits, batch), batch)
+            token_ids = _choose(logits_before_top_p(logits, batch), batch)
 
         if batch.num_top_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
@@ -68,19 +68,69 @@ class Sampler:
 
 
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Argmax on greedy rows, a sample from softmax(logits) on the others: the exponential race on
-    rows with a seed or given noise, the inverse CDF on the rest."""
+    """From logits processed up to top-k: the argmax on greedy rows (top-p and min-p never remove
+    the most likely token), a draw from the fully processed distribution on the others: the
+    exponential race on rows with a seed or given noise, sample_nucleus on the rest."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    probs = logits.softmax(dim=-1)
-    sampled_ids = inverse_cdf(probs, torch.rand(batch.num_rows, dtype=torch.float64, device=logits.device))
+    sampled_ids = sample_nucleus(logits, batch.top_p, batch.min_p)
     raced = [row for row, _ in batch.seeded_rows] + [row for row, _ in batch.given_noise]
     if raced:
+        filters = [None if v is None else v[raced] for v in (batch.top_p, batch.min_p)]
+        filtered = nucleus_filtered(logits[raced], *filters)
         noise = torch.stack([_own_noise(g, batch.vocab_size).to(logits.device) for _, g in batch.seeded_rows]
                             + [given for _, given in batch.given_noise])
         # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
-        sampled_ids[raced] = probs[raced].div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
+        sampled_ids[raced] = filtered.softmax(dim=-1).div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
     return torch.where(batch.greedy, logits.argmax(dim=-1), sampled_ids) if batch.any_greedy else sampled_ids
+
+
+# Draws per row before sample_nucleus takes a row's nucleus by thresholds instead (a few are typical).
+MAX_ROUNDS = 16
+
+
+def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """[B] token ids, each row's drawn from softmax(logits) restricted to its top-p nucleus and the
+    tokens min-p keeps (nucleus_filtered's distribution; None: no row uses the filter).
+
+    On a CPU, without finding the nucleus (a sort, or top-k passes, per row): a token t is in it when
+    the tokens strictly more likely than t hold less than top_p of the mass (the set
+    filter_top_k_top_p's threshold keeps). Draw t from the row's probabilities over a set S (at
+    first every token min-p keeps); if t is outside the nucleus, S becomes the tokens of S more
+    likely than t, which still holds the whole nucleus (its most likely tokens), and the row draws
+    again. The first draw inside the nucleus is distributed as the probabilities restricted to it,
+    since every round's draw is, given that it lands there. Rows still drawing after MAX_ROUNDS,
+    and every row on other devices (counting the rows still drawing would wait for the device),
+    take the nucleus by thresholds."""
+    rows = logits.shape[0]
+    if logits.device.type != "cpu":
+        return inverse_cdf(nucleus_filtered(logits, top_p, min_p).softmax(dim=-1), _uniform(rows, logits.device))
+    probs = logits.softmax(dim=-1)
+    weights = probs.clone() if min_p is None else \
+        probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+    ids = inverse_cdf(weights, _uniform(rows, logits.device))
+    if top_p is None:
+        return ids
+    # the rows still drawing, and theirs of each tensor (at first every row: no copies)
+    pending, mine, mine_probs, mine_ids, mine_top_p = torch.arange(rows), logits, probs, ids, top_p
+    for _ in range(MAX_ROUNDS):
+        drawn = mine.gather(1, mine_ids.unsqueeze(1))
+        above = mine_probs.masked_fill(mine <= drawn, 0.0).sum(dim=-1)
+        outside = (above >= mine_top_p) & (mine_top_p < 1.0)
+        pending, drawn = pending[outside], drawn[outside]
+        if len(pending) == 0:
+            return ids
+        mine, mine_probs, mine_top_p = logits[pending], probs[pending], top_p[pending]
+        weights[pending] = mine_weights = weights[pending].masked_fill_(mine <= drawn, 0.0)
+        ids[pending] = mine_ids = inverse_cdf(mine_weights, _uniform(len(pending), logits.device))
+    filtered = nucleus_filtered(logits[pending], top_p[pending], None if min_p is None else min_p[pending])
+    ids[pending] = inverse_cdf(filtered.softmax(dim=-1), _uniform(len(pending), logits.device))
+    return ids
+
+
+def _uniform(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows] float64 uniforms in [0, 1) from the global generator."""
+    return torch.rand(rows, dtype=torch.float64, device=device)
 
 
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,6 @@ def _before_top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _top_k_top_p(batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's top_k and top_p vectors, with the neutral value where it has none."""
-    top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.greedy, batch.vocab_size,
-                                                                         dtype=torch.int64)
-    top_p = batch.top_p if batch.top_p is not None else torch.ones_like(batch.temperature)
-    return top_k, top_p
-
-
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens, then OpenAI frequency and presence
     penalties over output tokens."""

@@ -8,7 +8,8 @@ per token, which picks token i with probability probs[i]; it draws its q row fro
 generator, so its tokens do not depend on its batch neighbours. The other sampled rows invert their
 distribution's CDF at one uniform each from the global generator: the same distribution from one
 random number per row instead of one per vocabulary entry (a Mersenne Twister draw per entry cost
-more than the rest of the sampler).
+more than the rest of the sampler), and draw top-p by rejection (sample_nucleus) rather than find
+the nucleus.
 
 Log-probabilities are of the RAW model distribution (log_softmax of the logits as given, before
 bias, penalties, temperature and filters), as vLLM returns by default; on a row with a grammar,
@@ -106,13 +107,14 @@ def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torc
     if logits.device.type != "cpu":
         return inverse_cdf(nucleus_filtered(logits, top_p, min_p).softmax(dim=-1), _uniform(rows, logits.device))
     probs = logits.softmax(dim=-1)
-    weights = probs.clone() if min_p is None else \
+    weights = probs if min_p is None else \
         probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
     ids = inverse_cdf(weights, _uniform(rows, logits.device))
     if top_p is None:
         return ids
-    # the rows still drawing, and theirs of each tensor (at first every row: no copies)
-    pending, mine, mine_probs, mine_ids, mine_top_p = torch.arange(rows), logits, probs, ids, top_p
+    # the rows still drawing (at first every row), and their rows of each tensor
+    pending, mine_ids, mine_top_p = torch.arange(rows), ids, top_p
+    mine, mine_probs, mine_weights = logits, probs, weights
     for _ in range(MAX_ROUNDS):
         drawn = mine.gather(1, mine_ids.unsqueeze(1))
         above = mine_probs.masked_fill(mine <= drawn, 0.0).sum(dim=-1)
@@ -120,8 +122,8 @@ def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torc
         pending, drawn = pending[outside], drawn[outside]
         if len(pending) == 0:
             return ids
-        mine, mine_probs, mine_top_p = logits[pending], probs[pending], top_p[pending]
-        weights[pending] = mine_weights = weights[pending].masked_fill_(mine <= drawn, 0.0)
+        mine, mine_probs, mine_top_p = mine[outside], mine_probs[outside], mine_top_p[outside]
+        mine_weights = mine_weights[outside].masked_fill_(mine <= drawn, 0.0)
         ids[pending] = mine_ids = inverse_cdf(mine_weights, _uniform(len(pending), logits.device))
     filtered = nucleus_filtered(logits[pending], top_p[pending], None if min_p is None else min_p[pending])
     ids[pending] = inverse_cdf(filtered.softmax(dim=-1), _uniform(len(pending), logits.device))

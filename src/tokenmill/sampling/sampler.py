@@ -105,7 +105,7 @@ def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torc
     take the nucleus by thresholds."""
     rows = logits.shape[0]
     if logits.device.type != "cpu":
-        return inverse_cdf(nucleus_filtered(logits, top_p, min_p).softmax(dim=-1), _uniform(rows, logits.device))
+        return _draw_by_thresholds(logits, top_p, min_p)
     probs = logits.softmax(dim=-1)
     weights = probs if min_p is None else \
         probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -125,9 +125,13 @@ def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torc
         mine, mine_probs, mine_top_p = mine[outside], mine_probs[outside], mine_top_p[outside]
         mine_weights = mine_weights[outside].masked_fill_(mine <= drawn, 0.0)
         ids[pending] = mine_ids = inverse_cdf(mine_weights, _uniform(len(pending), logits.device))
-    filtered = nucleus_filtered(logits[pending], top_p[pending], None if min_p is None else min_p[pending])
-    ids[pending] = inverse_cdf(filtered.softmax(dim=-1), _uniform(len(pending), logits.device))
+    ids[pending] = _draw_by_thresholds(logits[pending], top_p[pending], None if min_p is None else min_p[pending])
     return ids
+
+
+def _draw_by_thresholds(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """sample_nucleus's draw with the nucleus found first: nucleus_filtered, then the inverse CDF."""
+    return inverse_cdf(nucleus_filtered(logits, top_p, min_p).softmax(dim=-1), _uniform(logits.shape[0], logits.device))
 
 
 def _uniform(rows: int, device: torch.device) -> torch.Tensor:

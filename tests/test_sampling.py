@@ -23,7 +23,7 @@ from tokenmill.sampling import (
     StopStringMatcher,
 )
 from tokenmill.sampling import sampler as sampler_module
-from tokenmill.sampling.processing import filter_top_k_top_p, processed_logits
+from tokenmill.sampling.processing import apply_penalties_, filter_top_k_top_p, processed_logits
 from tokenmill.sampling.sampler import exponential, inverse_cdf
 
 INF = float("inf")
@@ -455,6 +455,60 @@ def test_penalties_and_bias_exact_logits(kwargs: dict, expected: list[float]) ->
     assert processed[0].tolist() == expected
     # The neighbour row is penalized by its own tokens only (prompt 0, output 5 twice).
     torch.testing.assert_close(processed[1], torch.tensor([1.0 / 3, 2.0, -1.0, 3.0, -2.0, 0.5 / 3 - 1.0]))
+
+
+def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+                    outputs: list[list[int]]) -> torch.Tensor:
+    """The penalties' definition, one [V] row at a time: repetition over every token in the prompt
+    or the output, then frequency times each output token's count, then presence once per token."""
+    result = logits.clone()
+    for row, p in enumerate(params):
+        counts = torch.zeros(logits.shape[1])
+        for token in outputs[row]:
+            counts[token] += 1
+        seen = counts > 0
+        seen[prompts[row]] = True
+        values = result[row]
+        penalty, frequency, presence = (torch.tensor(v, dtype=torch.float32) for v in
+                                        (p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        if p.repetition_penalty != 1.0:
+            values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
+        if p.frequency_penalty != 0.0:
+            values = values - frequency * counts
+        if p.presence_penalty != 0.0:
+            values = values - presence * (counts > 0)
+        result[row] = values
+    return result
+
+
+def test_penalties_touch_only_seen_tokens_with_the_definitions_arithmetic() -> None:
+    # Rows with each penalty alone, all three, none, and extreme values; prompts and outputs with
+    # repeated ids, shared ids, and none; logits with -inf (banned) entries. The engine applies the
+    # penalties at the seen ids only: the result must equal the dense definition bit for bit.
+    vocab = 1000
+    generator = torch.Generator().manual_seed(7)
+    params = [
+        SamplingParams(repetition_penalty=1.05),
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(presence_penalty=-1.3),
+        SamplingParams(repetition_penalty=0.3, frequency_penalty=-2.0, presence_penalty=2.0),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=100.0, frequency_penalty=0.1),
+        SamplingParams(repetition_penalty=1.7, presence_penalty=0.5),
+        SamplingParams(frequency_penalty=1.9),
+    ]
+    ids = lambda n, high: torch.randint(0, high, (n,), generator=generator).tolist()  # noqa: E731
+    prompts = [ids(300, vocab), ids(50, 40), [], ids(200, 60), ids(90, vocab), ids(3, vocab), [5] * 40, ids(9, 9)]
+    outputs = [ids(20, 30), ids(60, 25), ids(33, 30), [], ids(10, vocab), ids(40, 50), ids(7, 6), []]
+    logits = torch.randn(len(params), vocab, generator=generator) * 4
+    logits[logits.abs() < 0.05] = 0.0
+    logits[torch.rand(logits.shape, generator=generator) < 0.1] = float("-inf")
+    batch = make_batch(params, vocab, prompts=prompts, outputs=outputs)
+    processed = logits.clone()
+    apply_penalties_(processed, batch)
+    expected = dense_penalties(logits, params, prompts, outputs)
+    assert torch.equal(processed, expected)
+    assert not torch.equal(processed, logits)
 
 
 # --------------------------------------------------------------------------- min_tokens

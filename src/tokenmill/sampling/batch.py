@@ -4,9 +4,10 @@ The sampler then works on whole [B, V] tensors with per-row parameter vectors an
 over requests. A feature no row uses is stored as None and skipped entirely, so a batch of plain
 requests pays nothing for penalties, biases or filters.
 
-Token-level inputs (logit bias, tokens suppressed by `min_tokens`) are sparse: flat
-(row, token id) index pairs for `Tensor.index_put_`. Penalties need dense [B, V] tables (token
-counts of the output, and a mask of the prompt's tokens), built only when some row uses them.
+Token-level inputs (logit bias, tokens suppressed by `min_tokens`, the tokens that penalties
+change) are sparse: flat (row, token id) index pairs for indexing and `Tensor.index_put_`. A
+penalty changes only the tokens a request has seen, a few thousand of a row's V, so its cost
+follows the prompt and output lengths, not B x V.
 """
 
 from __future__ import annotations
@@ -48,10 +49,14 @@ class SamplingBatch:
     """[B] float32 (0 = off). None when no row uses it."""
     frequency_penalty: torch.Tensor | None
     """[B] float32 (0 = off). None when no row uses it."""
-    prompt_mask: torch.Tensor | None
-    """[B, V] bool: token occurs in the row's prompt. Only for rows with a repetition penalty."""
+    repeated_index: TokenIndex | None
+    """Every token of the prompt and the output of each row with a repetition penalty; a token
+    can occur more than once. None when no row uses the repetition penalty."""
+    output_index: TokenIndex | None
+    """Each distinct output token of each row with a frequency or presence penalty, once. None
+    when no row uses either."""
     output_counts: torch.Tensor | None
-    """[B, V] float32: times the token occurs in the row's output. Only for rows with a penalty."""
+    """float32, how many times each entry of `output_index` occurs in its row's output."""
     bias_index: TokenIndex | None
     """Where `bias_values` are added. None when no row has a logit bias."""
     bias_values: torch.Tensor | None
@@ -129,18 +134,17 @@ class SamplingBatch:
         top_k = row_vector(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None
 
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
-        uses_penalty = [
-            rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for rep, p in zip(uses_repetition, params, strict=True)
-        ]
-        prompt_mask = output_counts = None
+        repeated_index = output_index = output_counts = None
         if any(uses_repetition):
-            prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
-            prompt_mask[_token_index(prompt_ids, uses_repetition, device)] = True
-        if any(uses_penalty):
-            output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
-            index = _token_index(output_ids, uses_penalty, device)
-            output_counts.index_put_(index, torch.ones(len(index[0]), device=device), accumulate=True)
+            repeated = [_host_token_index(ids, uses_repetition) for ids in (prompt_ids, output_ids)]
+            repeated_index = _to_device(*(np.concatenate(parts) for parts in zip(*repeated, strict=True)),
+                                        device=device)
+        uses_count = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        if any(uses_count):
+            rows, token_ids = _host_token_index(output_ids, uses_count)
+            keys, counts = np.unique(rows * vocab_size + token_ids, return_counts=True)
+            output_index = _to_device(keys // vocab_size, keys % vocab_size, device=device)
+            output_counts = torch.from_numpy(counts.astype(np.float32)).to(device)
 
         bias_index = bias_values = None
         if any(p.logit_bias for p in params):
@@ -166,7 +170,8 @@ class SamplingBatch:
             repetition_penalty=vector_unless_all([p.repetition_penalty for p in params], 1.0),
             presence_penalty=vector_unless_all([p.presence_penalty for p in params], 0.0),
             frequency_penalty=vector_unless_all([p.frequency_penalty for p in params], 0.0),
-            prompt_mask=prompt_mask,
+            repeated_index=repeated_index,
+            output_index=output_index,
             output_counts=output_counts,
             bias_index=bias_index,
             bias_values=bias_values,
@@ -199,10 +204,21 @@ def _token_index(
     token_ids: Sequence[Sequence[int]], rows_wanted: list[bool] | None, device: torch.device | str
 ) -> TokenIndex:
     """(rows, token_ids) of every token of every wanted row (all rows when rows_wanted is None)."""
+    return _to_device(*_host_token_index(token_ids, rows_wanted), device=device)
+
+
+def _host_token_index(
+    token_ids: Sequence[Sequence[int]], rows_wanted: list[bool] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """_token_index as two int64 numpy arrays."""
     rows = [r for r in range(len(token_ids)) if rows_wanted is None or rows_wanted[r]]
     lengths = [len(token_ids[r]) for r in rows]
     # built on the host (repeat_interleave on device counts would wait for the device to learn the
     # size), by numpy: a row's prompt can be thousands of ids, and this runs every step
     row_index = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
     flat = np.fromiter(chain.from_iterable(token_ids[r] for r in rows), dtype=np.int64, count=sum(lengths))
-    return torch.from_numpy(row_index).to(device), torch.from_numpy(flat).to(device)
+    return row_index, flat
+
+
+def _to_device(rows: np.ndarray, token_ids: np.ndarray, device: torch.device | str) -> TokenIndex:
+    return torch.from_numpy(rows).to(device), torch.from_numpy(token_ids).to(device)

@@ -53,26 +53,30 @@ def _before_top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
     if batch.suppress_index is not None:
         logits.index_put_(batch.suppress_index, torch.tensor(float("-inf"), device=logits.device))
-    logits = apply_penalties(logits, batch)
+    apply_penalties_(logits, batch)
     if not batch.all_greedy:   # (greedy rows' temperature is 1)
         logits /= batch.temperature.unsqueeze(1)
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition penalty over prompt + output tokens, then OpenAI frequency and presence
-    penalties over output tokens."""
-    counts = batch.output_counts
-    if batch.repetition_penalty is not None:
-        seen = batch.prompt_mask | (counts > 0)
-        penalty = batch.repetition_penalty.unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalized, logits)
-    if batch.frequency_penalty is not None:
-        logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
-    if batch.presence_penalty is not None:
-        logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0)
-    return logits
+def apply_penalties_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place: repetition penalty over prompt + output tokens, then OpenAI frequency and presence
+    penalties over output tokens. Only the tokens each row has seen change, so only those are read
+    and written."""
+    if batch.repeated_index is not None:
+        rows, token_ids = batch.repeated_index
+        # every value is read before any is written, so a token listed twice is penalized once
+        seen = logits[rows, token_ids]
+        penalty = batch.repetition_penalty[rows]
+        logits[rows, token_ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    if batch.output_index is not None:
+        rows, token_ids = batch.output_index
+        seen = logits[rows, token_ids]
+        if batch.frequency_penalty is not None:
+            seen = seen - batch.frequency_penalty[rows] * batch.output_counts
+        if batch.presence_penalty is not None:
+            seen = seen - batch.presence_penalty[rows]
+        logits[rows, token_ids] = seen
 
 
 # Candidate counts tried before a full sort: top-k of a row is far cheaper than sorting its whole

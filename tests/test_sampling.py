@@ -409,6 +409,39 @@ def test_nucleus_draws_match_the_thresholds(monkeypatch, max_rounds: int, top_p:
     assert_frequencies_match(samples, expected)
 
 
+def test_top_k_draws_match_the_filtered_distribution() -> None:
+    """Unseeded rows with a small top-k draw from their k largest logits (sampler.sample_top_k); rows
+    whose k-th logit ties with the next, rows without top-k or with a large one, and rows with fewer
+    than k finite logits filter the whole row. All kinds share one batch, each with its own logits
+    and filters; every kind's frequencies must match processed_logits' distribution."""
+    torch.manual_seed(11)
+    vocab, per_kind = 300, 6000
+    base = torch.randn(vocab) * 2
+    tied = base.clone()
+    tied[tied.topk(4).indices[2:]] = tied.topk(4).values[2]       # 3rd and 4th largest equal
+    nucleus_tie = base.clone()
+    order = base.argsort(descending=True)
+    nucleus_tie[order[:5]] = torch.tensor([2.0, 1.8, 1.8, 1.0, 0.0]) + base.max()   # nucleus: 3, 2 tied
+    sparse = torch.full((vocab,), float("-inf"))
+    sparse[order[:2]] = base[order[:2]]                          # 2 finite logits, top_k 4
+    kinds = [
+        (base, SamplingParams(temperature=0.9, top_k=3)),
+        (nucleus_tie, SamplingParams(temperature=1.0, top_k=5, top_p=0.5)),
+        (base.flip(0) * 2, SamplingParams(temperature=0.9, top_k=40, min_p=0.2)),
+        (tied, SamplingParams(temperature=0.9, top_k=3)),
+        (base.roll(7) * 2, SamplingParams(temperature=0.9, top_p=0.6)),
+        (base * 2, SamplingParams(temperature=0.9, top_k=280, top_p=0.9)),
+        (sparse, SamplingParams(temperature=0.9, top_k=4)),
+    ]
+    logits = torch.cat([row.repeat(per_kind, 1) for row, _ in kinds])
+    params = [p for _, p in kinds for _ in range(per_kind)]
+    samples = Sampler()(logits, make_batch(params, vocab)).token_ids
+    for index, (row, p) in enumerate(kinds):
+        expected = processed_logits(row.unsqueeze(0), make_batch([p], vocab))[0].softmax(-1)
+        assert 1 < int((expected > 0).sum()) < vocab, index
+        assert_frequencies_match(samples[index * per_kind:(index + 1) * per_kind], expected)
+
+
 def test_seeded_sampling_frequencies() -> None:
     logits = torch.tensor([[1.0, 0.0, -0.5, 0.5]])
     generator = torch.Generator().manual_seed(99)

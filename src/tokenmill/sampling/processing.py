@@ -6,10 +6,10 @@
     -> temperature -> top-k -> top-p -> min-p
 
 Tokens removed by a filter get logit -inf, so `processed_logits(...).softmax(-1)` is exactly the
-distribution a request samples from. The sampler itself stops at top-k (`logits_before_top_p`) and
-draws most rows' top-p and min-p token by token (sampler.sample_nucleus), from the same
-distribution. Every step is a tensor op over all B rows; features no row uses are None in the batch
-and skipped.
+distribution a request samples from. The sampler itself stops before top-k (`logits_before_top_k`)
+and draws most rows' top-k from their largest logits and top-p and min-p token by token
+(sampler.sample_top_k, sampler.sample_nucleus), from the same distribution. Every step is a tensor
+op over all B rows; features no row uses are None in the batch and skipped.
 """
 
 from __future__ import annotations
@@ -22,30 +22,12 @@ from tokenmill.sampling.batch import SamplingBatch
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32 logits after every step above; `logits` (any float dtype) is not modified."""
-    return nucleus_filtered(logits_before_top_p(logits, batch), batch.top_p, batch.min_p)
+    return nucleus_filtered(top_k_filtered(logits_before_top_k(logits, batch), batch.top_k), batch.top_p, batch.min_p)
 
 
-def logits_before_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """processed_logits up to top-k: what the sampler's nucleus draw (sampler.sample_nucleus) starts
-    from, testing top-p and min-p token by token instead of filtering."""
-    logits = _before_top_k(logits, batch)
-    if batch.top_k is not None:
-        logits = filter_top_k_top_p(logits, batch.top_k, torch.ones_like(batch.temperature))
-    return logits
-
-
-def nucleus_filtered(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Top-p, then min-p, on logits after top-k (None: no row uses it). Top-p sees the distribution
-    renormalized after top-k: the logsumexp of the row, whose removed tokens are -inf."""
-    if top_p is not None:
-        full = torch.full_like(top_p, logits.shape[1], dtype=torch.int64)
-        logits = filter_top_k_top_p(logits, full, top_p)
-    if min_p is not None:
-        logits = filter_min_p(logits, min_p)
-    return logits
-
-
-def _before_top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def logits_before_top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """processed_logits up to the temperature, as a new float32 tensor: what the sampler starts
+    from (sampler.sample_top_k), taking top-k, top-p and min-p token by token instead of filtering."""
     logits = logits.to(torch.float32, copy=True)
     if batch.banned is not None:
         logits.masked_fill_(batch.banned, float("-inf"))
@@ -56,6 +38,24 @@ def _before_top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     apply_penalties_(logits, batch)
     if not batch.all_greedy:   # (greedy rows' temperature is 1)
         logits /= batch.temperature.unsqueeze(1)
+    return logits
+
+
+def top_k_filtered(logits: torch.Tensor, top_k: torch.Tensor | None) -> torch.Tensor:
+    """Top-k (None: no row uses it): the tokens below each row's k-th largest logit get -inf."""
+    if top_k is None:
+        return logits
+    return filter_top_k_top_p(logits, top_k, torch.ones(top_k.shape, device=logits.device))
+
+
+def nucleus_filtered(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Top-p, then min-p, on logits after top-k (None: no row uses it). Top-p sees the distribution
+    renormalized after top-k: the logsumexp of the row, whose removed tokens are -inf."""
+    if top_p is not None:
+        full = torch.full_like(top_p, logits.shape[1], dtype=torch.int64)
+        logits = filter_top_k_top_p(logits, full, top_p)
+    if min_p is not None:
+        logits = filter_min_p(logits, min_p)
     return logits
 
 

@@ -8,8 +8,8 @@ per token, which picks token i with probability probs[i]; it draws its q row fro
 generator, so its tokens do not depend on its batch neighbours. The other sampled rows invert their
 distribution's CDF at one uniform each from the global generator: the same distribution from one
 random number per row instead of one per vocabulary entry (a Mersenne Twister draw per entry cost
-more than the rest of the sampler), and draw top-p by rejection (sample_nucleus) rather than find
-the nucleus.
+more than the rest of the sampler), draw top-k from the row's k largest logits (sample_top_k),
+and top-p by rejection (sample_nucleus) rather than find the nucleus.
 
 Log-probabilities are of the RAW model distribution (log_softmax of the logits as given, before
 bias, penalties, temperature and filters), as vLLM returns by default; on a row with a grammar,
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sampling.batch import SamplingBatch
-from tokenmill.sampling.processing import logits_before_top_p, nucleus_filtered
+from tokenmill.sampling.processing import logits_before_top_k, nucleus_filtered, top_k_filtered
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Sampler:
         if batch.all_greedy and not batch.needs_logit_processing:
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = _choose(logits_before_top_p(logits, batch), batch)
+            token_ids = _choose(logits_before_top_k(logits, batch), batch)
 
         if batch.num_top_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
@@ -69,21 +69,63 @@ class Sampler:
 
 
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """From logits processed up to top-k: the argmax on greedy rows (top-p and min-p never remove
-    the most likely token), a draw from the fully processed distribution on the others: the
-    exponential race on rows with a seed or given noise, sample_nucleus on the rest."""
+    """From logits processed up to the temperature: the argmax on greedy rows (top-k, top-p and
+    min-p never remove the most likely token), a draw from the fully processed distribution on the
+    others: the exponential race on rows with a seed or given noise, sample_top_k on the rest."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    sampled_ids = sample_nucleus(logits, batch.top_p, batch.min_p)
+    sampled_ids = sample_top_k(logits, batch.top_k, batch.top_p, batch.min_p)
     raced = [row for row, _ in batch.seeded_rows] + [row for row, _ in batch.given_noise]
     if raced:
-        filters = [None if v is None else v[raced] for v in (batch.top_p, batch.min_p)]
-        filtered = nucleus_filtered(logits[raced], *filters)
+        top_k, top_p, min_p = (None if v is None else v[raced] for v in (batch.top_k, batch.top_p, batch.min_p))
+        filtered = nucleus_filtered(top_k_filtered(logits[raced], top_k), top_p, min_p)
         noise = torch.stack([_own_noise(g, batch.vocab_size).to(logits.device) for _, g in batch.seeded_rows]
                             + [given for _, given in batch.given_noise])
         # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
         sampled_ids[raced] = filtered.softmax(dim=-1).div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
     return torch.where(batch.greedy, logits.argmax(dim=-1), sampled_ids) if batch.any_greedy else sampled_ids
+
+
+# The largest k that sample_top_k draws from the row's k largest logits alone (one `topk`, whose cost
+# grows with k); rows with a larger top-k filter the whole row.
+MAX_TOP_K_DRAWN = 256
+
+
+def sample_top_k(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                 min_p: torch.Tensor | None) -> torch.Tensor:
+    """[B] token ids, each row's drawn from processed_logits' distribution given its logits before
+    top-k (None: no row uses the filter).
+
+    On a CPU, a row with top_k <= MAX_TOP_K_DRAWN draws from its k largest logits (one `topk`) where
+    they are its top-k: unless the token after them ties with the k-th, which the top-k filter would
+    keep too. Top-p and min-p of the top-k's renormalized distribution are the same on those k
+    candidates as on the row with every other token at -inf. Other rows (every row off the CPU,
+    where counting them would wait for the device) filter the whole row first."""
+    if top_k is None:
+        return sample_nucleus(logits, top_p, min_p)
+    rows, vocab = logits.shape
+    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    rest = torch.arange(rows, device=logits.device)
+    if logits.device.type == "cpu":
+        narrow = ((top_k <= MAX_TOP_K_DRAWN) & (top_k < vocab)).nonzero().squeeze(1)
+        if len(narrow):
+            k = top_k[narrow].unsqueeze(1)
+            width = int(k.max())
+            values, indices = (logits if len(narrow) == rows else logits[narrow]).topk(width + 1, dim=-1)
+            decided = (values.gather(1, k) < values.gather(1, k - 1)).squeeze(1)
+            candidates = values[decided, :width]
+            candidates.masked_fill_(torch.arange(width) >= k[decided], float("-inf"))
+            drawn = narrow[decided]
+            positions = sample_nucleus(candidates, *(None if v is None else v[drawn] for v in (top_p, min_p)))
+            ids[drawn] = indices[decided].gather(1, positions.unsqueeze(1)).squeeze(1)
+            left = torch.ones(rows, dtype=torch.bool)
+            left[drawn] = False
+            rest = rest[left]
+    if len(rest):
+        if len(rest) < rows:
+            logits, top_k, top_p, min_p = (None if v is None else v[rest] for v in (logits, top_k, top_p, min_p))
+        ids[rest] = sample_nucleus(top_k_filtered(logits, top_k), top_p, min_p)
+    return ids
 
 
 # Draws per row before sample_nucleus takes a row's nucleus by thresholds instead (a few are typical).

@@ -62,7 +62,10 @@ def test_bench_serve_refuses_bad_options(tmp_path, capsys):
     for argv, words in ((["--concurrency", "0"], ["--concurrency"]), (["--request-rate", "-1"], ["--request-rate"]),
                         (["--no-tokenmill"], ["nothing to measure"]), (["--temperature", "-1"], ["--temperature"]),
                         (["--top-p", "0"], ["--top-p"]), (["--top-p", "1.5"], ["--top-p"]),
-                        (["--top-p", "0.9"], ["--top-p", "greedy"]),
+                        (["--top-p", "0.9"], ["--top-p", "greedy"]), (["--top-k", "40"], ["--top-k", "greedy"]),
+                        (["--min-p", "0.05"], ["--min-p", "greedy"]),
+                        (["--temperature", "1", "--top-k", "-1"], ["--top-k"]),
+                        (["--temperature", "1", "--min-p", "1.5"], ["--min-p"]),
                         (["--llama-server", str(tmp_path / "nope")], ["--llama-server", "not an executable"])):
         rc = main(["bench", "serve", "--num-requests", "2", "--output", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err
@@ -102,8 +105,8 @@ def test_a_token_that_renders_as_nothing_still_counts_as_streamed():
 
 
 def test_requests_carry_the_asked_sampling():
-    """Greedy by default; with --temperature, temperature and top_p with top-k and min-p off (so a
-    llama-server does not add its own default filters)."""
+    """Greedy by default; with --temperature, temperature, top_p, top_k and min_p, the filters sent
+    even when off (so a llama-server does not add its own default filters)."""
     import asyncio
 
     import httpx
@@ -122,8 +125,11 @@ def test_requests_carry_the_asked_sampling():
 
     assert asyncio.run(go(None)).ok and asyncio.run(go(sampling_fields(0.0, 0.5))).ok
     assert asyncio.run(go(sampling_fields(1.0, 0.95))).ok
-    greedy, also_greedy, sampled = sent
+    assert asyncio.run(go(sampling_fields(1.0, 0.95, 40, 0.05))).ok
+    greedy, also_greedy, sampled, filtered = sent
     assert greedy["temperature"] == also_greedy["temperature"] == 0.0 and "top_p" not in greedy
     assert {k: sampled[k] for k in ("temperature", "top_p", "top_k", "min_p")} == \
         {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "min_p": 0.0}
+    assert {k: filtered[k] for k in ("temperature", "top_p", "top_k", "min_p")} == \
+        {"temperature": 1.0, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
     assert sampled["max_tokens"] == 1 and sampled["ignore_eos"] and sampled["prompt"] == [1, 2]

@@ -60,11 +60,13 @@ def add_bench_serve_args(b: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (instead of fixed concurrency)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
     g.add_argument("--temperature", type=float, default=0.0,
-                   help="every request's sampling temperature (default 0: greedy). With a temperature, top_k 0 "
-                        "and min_p 0 are sent too, so that llama-server samples with temperature and top-p only "
-                        "(its defaults add top-k 40 and min-p 0.05); it applies top-p before the temperature, "
-                        "so the two engines draw from the same distribution at temperature 1")
+                   help="every request's sampling temperature (default 0: greedy). With a temperature, top_k "
+                        "and min_p are always sent (default 0: off), so that llama-server does not add its "
+                        "defaults (top-k 40, min-p 0.05); it applies the filters before the temperature, so "
+                        "the two engines draw from the same distribution at temperature 1")
     g.add_argument("--top-p", type=float, default=1.0, help="every request's top_p, with --temperature")
+    g.add_argument("--top-k", type=int, default=0, help="every request's top_k, with --temperature (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="every request's min_p, with --temperature (0: off)")
     g = b.add_argument_group("targets")
     g.add_argument("--base-url", action="append", default=[],
                    help="also measure this running OpenAI-compatible server (e.g. http://127.0.0.1:8080); "
@@ -94,12 +96,13 @@ class RequestResult:
     output_tokens: int = 0          # from the usage chunk, else the token chunks
 
 
-def sampling_fields(temperature: float, top_p: float) -> dict[str, float]:
-    """A request body's sampling fields: greedy at temperature 0, else temperature and top-p with
-    every other filter off (top_k 0 and min_p 0 mean off to tokenmill, vLLM and llama-server)."""
+def sampling_fields(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> dict[str, float]:
+    """A request body's sampling fields: greedy at temperature 0, else temperature, top-p, top-k and
+    min-p, each sent even when off (top_k 0 and min_p 0 mean off to tokenmill, vLLM and
+    llama-server), so that no server adds its own default filters."""
     if temperature == 0:
         return {"temperature": 0.0}
-    return {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
 
 
 async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,
@@ -312,8 +315,13 @@ def _check(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int], 
         raise TokenmillError(f"--temperature: must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise TokenmillError(f"--top-p: must be in (0, 1], got {args.top_p}")
-    if args.top_p != 1 and args.temperature == 0:
-        raise TokenmillError("--top-p: greedy requests (--temperature 0, the default) take no top_p")
+    if args.top_k < 0:
+        raise TokenmillError(f"--top-k: must be >= 0, got {args.top_k}")
+    if not 0 <= args.min_p <= 1:
+        raise TokenmillError(f"--min-p: must be in [0, 1], got {args.min_p}")
+    for flag, value, off in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0), ("--min-p", args.min_p, 0.0)):
+        if value != off and args.temperature == 0:
+            raise TokenmillError(f"{flag}: greedy requests (--temperature 0, the default) take no {flag[2:]}")
     return input_range, output_range, levels
 
 
@@ -350,7 +358,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
            "input_tokens": sum(input_lens), "output_tokens": sum(output_lens),
            "concurrency": levels, "request_rate": args.request_rate, "tokenmill_flags": engine_argv(args),
            "cpu_count": os.cpu_count(), "llama_repack": peers.llama_repack(),
-           "sampling": sampling_fields(args.temperature, args.top_p)}
+           "sampling": sampling_fields(args.temperature, args.top_p, args.top_k, args.min_p)}
     ctx_per_slot = context_for(input_range[1] + output_range[1])
     rows: list[dict[str, Any]] = []
     for name, base_url, api_key in targets:
@@ -403,7 +411,8 @@ def _fmt(v: float | None, spec: str = "{:.0f}") -> str:
 def _describe_sampling(sampling: dict[str, float]) -> str:
     if sampling["temperature"] == 0:
         return "greedy"
-    return f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g} (top_k, min_p off)"
+    return (f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, "
+            f"top_k {sampling['top_k'] or 'off'}, min_p {sampling['min_p'] or 'off'}")
 
 
 def _print_report(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> None:

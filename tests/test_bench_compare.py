@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import peers
+from tokenmill.bench import compare, peers
+from tokenmill.bench import serve as bench_serve
 from tokenmill.cache import CACHE_DIR_ENV
 from tokenmill.cli import main
 
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # One thread: on a loaded 2-core machine, two threads per engine mostly wait for each other.
 SMALL = ["--threads", "1", "--dtype", "float32", "--device", "cpu", "--prefill-lens", "16", "64",
          "--decode-tokens", "8", "--repeats", "1", "--num-requests", "4", "--input-len-range", "4", "16",
-         "--output-len-range", "2", "8", "--decode-heavy-concurrency", "2", "--concurrent-repeats", "2"]
+         "--output-len-range", "2", "8", "--decode-heavy-concurrency", "2", "--sampled-concurrency",
+         "--concurrent-repeats", "2"]
 
 
 def _missing(name: str, detail: str) -> peers.PeerStatus:
@@ -41,23 +43,31 @@ def test_compare_without_llama_cpp_still_runs_the_others(tiny_gguf_model, tmp_pa
         "llama.cpp (llama_cpp)", f"not installed: install it with {peers.INSTALL_HINT}"))
     monkeypatch.setattr(peers, "llama_server_status", lambda explicit=None: _missing(
         "llama.cpp (llama-server)", f"not built (/nowhere): build it with {peers.SERVER_HINT}"))
+    sent = []   # the sampling fields of each run of requests (None: greedy)
+    run_level = bench_serve.run_level
+
+    async def recording(*args, **kwargs):
+        sent.append(args[9])
+        return await run_level(*args, **kwargs)
+
+    monkeypatch.setattr(bench_serve, "run_level", recording)
     out = tmp_path / "compare.json"
     rc = main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *SMALL, "--concurrency", "2", "4",
-               "--output", str(out)])
+               "--sampled-concurrency", "2", "--output", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = _rows(report)
     assert list(rows) == ["prefill_16_tok_s", "prefill_64_tok_s", "decode_tok_s", "concurrent_2_out_tok_s",
-                          "concurrent_4_out_tok_s", "decode_heavy_2_out_tok_s", "batch1_peak_rss_mib",
-                          "concurrent_peak_rss_mib"]
+                          "concurrent_4_out_tok_s", "decode_heavy_2_out_tok_s", "sampled_2_out_tok_s",
+                          "batch1_peak_rss_mib", "concurrent_peak_rss_mib"]
     for key, row in rows.items():
         assert isinstance(row["tokenmill"], float) and row["tokenmill"] > 0, (key, row["tokenmill"])
-        if key.startswith("decode_heavy"):
+        if key.startswith(("decode_heavy", "sampled")):
             assert row["transformers"] is None   # (no server: it runs the mixed workload only)
         else:
             assert isinstance(row["transformers"], float) and row["transformers"] > 0, (key, row["transformers"])
-        served = key.startswith(("concurrent", "decode_heavy"))
+        served = key.startswith(("concurrent", "decode_heavy", "sampled"))
         assert row["llama.cpp"] == ("not built" if served else "not installed"), key
         assert row["ratio"] is None and row["met"] is None
         assert (row["spreads"]["tokenmill"] is not None) == (served and "rss" not in key), key
@@ -66,14 +76,18 @@ def test_compare_without_llama_cpp_still_runs_the_others(tiny_gguf_model, tmp_pa
     assert "tm/llama.cpp" in printed and "not installed" in printed and "scripts/install-peers.sh" in printed
     assert ">= 1x (no llama.cpp number)" in printed
     # before each of the 4 runs (tokenmill and transformers, batch 1 and concurrent) and each served run
-    # (3 levels, 2 repeats each)
-    assert printed.count("[load average") == 10
+    # (4 levels, 2 repeats each)
+    assert printed.count("[load average") == 12
     assert set(report["load_average_before"]) == {"tokenmill batch 1", "transformers batch 1 (float32)",
                                                   "tokenmill serve", "transformers static batches of [2, 4]"}
 
     # every request completed with exactly its output length, at each level, in every run, through the server
     served = report["results"]["tokenmill"]["concurrent"]["levels"]
-    assert set(served) == {"mixed/2", "mixed/4", "decode-heavy/2"}
+    assert set(served) == {"mixed/2", "mixed/4", "decode-heavy/2", "sampled/2"}
+    # the warm-up and 3 levels x 2 runs greedy, then the sampled level's 2 runs with llama.cpp's filters
+    assert sent == [None] * 7 + [compare.SAMPLING] * 2
+    assert compare.SAMPLING == {"temperature": 1.0, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+    assert report["config"]["sampling"] == compare.SAMPLING and "top_k 40" in printed
     for name, level in served.items():
         assert level["failed"] == 0 and level["short_outputs"] == 0 and len(level["runs"]) == 2
         for run in level["runs"]:
@@ -113,7 +127,7 @@ def test_compare_with_llama_cpp(tiny_gguf_model, tmp_path, capsys):
     small = [*SMALL[:SMALL.index("--output-len-range")], "--output-len-range", "8", "12",
              *SMALL[SMALL.index("--output-len-range") + 3:]]
     rc = main(["bench", "compare", "--model", str(tiny_gguf_model("llama")), *small, "--concurrency", "2",
-               "--peers", "llama.cpp", "--output", str(out)])
+               "--sampled-concurrency", "2", "--peers", "llama.cpp", "--output", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())

@@ -19,7 +19,10 @@ What is measured, each engine in its own process, one after the other:
   level (continuous batching; -c = level x the context a request needs; tokenmill's pool holds as
   many tokens for the largest level). A request that gets fewer or more tokens than asked is shown
   in the table and fails the command. `transformers` has no server: it runs the mixed requests as
-  static batches of C (`bench throughput`'s runner).
+  static batches of C (`bench throughput`'s runner). A third workload, sampled
+  (`--sampled-concurrency`, default 32), is the decode-heavy one drawn at temperature 1 through
+  llama.cpp's default filters (top-k 40, top-p 0.95, min-p 0.05; sent to both servers, which apply
+  them before the temperature), as a chat client's requests are, rather than greedily.
 - peak resident memory of each engine's process (batch-1 process; server or batch process).
 - with `--quant-types` (e.g. every type of `peers.QUANT_TYPES`: Q4_0 Q4_1 Q5_K_M Q4_K_M Q6_K Q8_0
   F16), the batch-1 rows again for tokenmill and llama.cpp on each type, made from the same weights
@@ -66,7 +69,12 @@ DECODE_HEAVY_OUTPUT_LEN = 128
 DEFAULT_CONCURRENT_REPEATS = 3
 DEFAULT_NUM_REQUESTS = 32    # per concurrency level; `bench throughput`'s issue size is 64 (--num-requests 64)
 ENGINES = ["tokenmill", "llama.cpp", "transformers"]
-WORKLOADS = {"mixed": "concurrent", "decode-heavy": "decode_heavy"}   # workload -> its rows' key prefix
+DEFAULT_SAMPLED_CONCURRENCY = [32]
+# The sampled workload's fields: llama.cpp's default filters, at temperature 1 (where both engines
+# draw from the same distribution whatever order they apply the filters and the temperature in).
+SAMPLING = bench_serve.sampling_fields(1.0, top_p=0.95, top_k=40, min_p=0.05)
+# workload -> its rows' key prefix
+WORKLOADS = {"mixed": "concurrent", "decode-heavy": "decode_heavy", "sampled": "sampled"}
 # The issues' targets, as tokenmill / llama.cpp ratios in the same run: (row key, minimum ratio).
 TARGETS = {"prefill_512_tok_s": 2.0, "decode_tok_s": 1.0, "concurrent_32_out_tok_s": 3.0,
            "decode_heavy_32_out_tok_s": 4.0, "decode_heavy_64_out_tok_s": 4.0, "long_8192_prefill_tok_s": 4.0}
@@ -87,6 +95,9 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-heavy-concurrency", type=int, nargs="*", default=DEFAULT_DECODE_HEAVY_CONCURRENCY,
                    help=f"concurrency levels of the decode-heavy workload: 2 x C requests of {DECODE_HEAVY_PROMPT_LEN} "
                    f"prompt and {DECODE_HEAVY_OUTPUT_LEN} output tokens (none: no decode-heavy rows)")
+    g.add_argument("--sampled-concurrency", type=int, nargs="*", default=DEFAULT_SAMPLED_CONCURRENCY,
+                   help="concurrency levels of the decode-heavy workload sampled with llama.cpp's default filters "
+                   "at temperature 1 (none: no sampled rows)")
     g.add_argument("--concurrent-repeats", type=int, default=DEFAULT_CONCURRENT_REPEATS,
                    help="runs of each concurrent level, fresh prompts each (the median and the spread are reported)")
     g.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS,
@@ -113,14 +124,14 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
 # ---- concurrent load --------------------------------------------------------------------------------
 
 def _drive(base_url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, seed: int,
-           timeout: float) -> dict[str, Any]:
-    """Adapter over `bench serve`'s load generator: N streaming requests at fixed concurrency,
-    summarized (output tokens/s, TTFT / ITL / end-to-end percentiles)."""
+           timeout: float, sampling: dict[str, float] | None = None) -> dict[str, Any]:
+    """Adapter over `bench serve`'s load generator: N streaming requests at fixed concurrency (greedy
+    unless `sampling`), summarized (output tokens/s, TTFT / ITL / end-to-end percentiles)."""
     import asyncio
 
     model = bench_serve.served_model(base_url, None)
     results, elapsed = asyncio.run(bench_serve.run_level(base_url, model, prompts, output_lens, concurrency, None,
-                                                          seed, None, timeout))
+                                                          seed, None, timeout, sampling))
     return bench_serve.summarize(results, elapsed)
 
 
@@ -147,7 +158,7 @@ def _serve_run(name: str, start, work: dict[str, Any], levels: set[int] | None, 
                     # Fresh prompts for every run: a server must not answer one run from its prompt cache of
                     # the one before (both tokenmill and llama-server cache prompts).
                     runs.append(_drive(base_url, spec["prompts"][level][rep], spec["output_lens"][level], level,
-                                       work["seed"], timeout))
+                                       work["seed"], timeout, spec.get("sampling")))
                 row["levels"][f"{workload}/{level}"] = level_summary(runs)
         row["peak_rss_mib"] = vm_hwm_mib(process.pid)
     finally:
@@ -173,7 +184,7 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("threads", "num_requests"):
         if getattr(args, name) < 1:
             raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    for name in ("concurrency", "decode_heavy_concurrency"):
+    for name in ("concurrency", "decode_heavy_concurrency", "sampled_concurrency"):
         if any(c < 1 for c in getattr(args, name)):
             raise TokenmillError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.concurrent_repeats < 1:
@@ -196,7 +207,8 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise TokenmillError(f"--model: bench compare needs a .gguf file (llama.cpp runs it too), got {model!r}")
     levels = sorted(set(args.concurrency))
     dh_levels = sorted(set(args.decode_heavy_concurrency))
-    all_levels = sorted(set(levels) | set(dh_levels))
+    sampled_levels = sorted(set(args.sampled_concurrency))
+    all_levels = sorted(set(levels) | set(dh_levels) | set(sampled_levels))
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     bench_start = time.perf_counter()
@@ -226,7 +238,8 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tokens": args.decode_tokens, "decode_prompt_len": DEFAULT_DECODE_PROMPT_LEN,
         "repeats": args.repeats, "concurrency": levels, "num_requests": args.num_requests, "seed": seed,
         "decode_heavy_concurrency": dh_levels, "decode_heavy_prompt_len": DECODE_HEAVY_PROMPT_LEN,
-        "decode_heavy_output_len": DECODE_HEAVY_OUTPUT_LEN, "concurrent_repeats": args.concurrent_repeats,
+        "decode_heavy_output_len": DECODE_HEAVY_OUTPUT_LEN, "sampled_concurrency": sampled_levels,
+        "sampling": SAMPLING, "concurrent_repeats": args.concurrent_repeats,
         "input_len_range": list(input_range), "output_len_range": list(output_range),
         "output_tokens": sum(output_lens), "batch1_n_ctx": b1["n_ctx"], "server_slots": slots,
         "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(), "quant_types": args.quant_types,
@@ -299,7 +312,11 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
             "decode-heavy": {"levels": dh_levels,
                              "output_lens": {c: [DECODE_HEAVY_OUTPUT_LEN] * (2 * c) for c in dh_levels},
                              "prompts": {c: fresh([DECODE_HEAVY_PROMPT_LEN] * (2 * c), c, "Decode-heavy")
-                                         for c in dh_levels}}}
+                                         for c in dh_levels}},
+            "sampled": {"levels": sampled_levels, "sampling": SAMPLING,
+                        "output_lens": {c: [DECODE_HEAVY_OUTPUT_LEN] * (2 * c) for c in sampled_levels},
+                        "prompts": {c: fresh([DECODE_HEAVY_PROMPT_LEN] * (2 * c), c, "Sampled")
+                                    for c in sampled_levels}}}
         work = {"workloads": workloads, "seed": seed, "repeats": repeats,
                 "warmup_prompts": make_prompts(tokenizer, [16] * 2, seed, tag="Warm-up")}
         serve_args = argparse.Namespace(**vars(args))
@@ -386,10 +403,17 @@ def _metric_rows(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows += [(f"concurrent_{c}_out_tok_s", f"mixed {c}-conc. out tok/s", "concurrent") for c in cfg["concurrency"]]
     rows += [(f"decode_heavy_{c}_out_tok_s", f"decode-heavy {c}-conc. out tok/s", "concurrent")
              for c in cfg["decode_heavy_concurrency"]]
+    rows += [(f"sampled_{c}_out_tok_s", f"sampled {c}-conc. out tok/s", "concurrent")
+             for c in cfg.get("sampled_concurrency", [])]
     rows.append(("batch1_peak_rss_mib", "peak RSS MiB, batch 1", "batch1"))
-    if cfg["concurrency"] or cfg["decode_heavy_concurrency"]:
+    if _served(cfg):
         rows.append(("concurrent_peak_rss_mib", "peak RSS MiB, concurrent", "concurrent"))
     return rows
+
+
+def _served(cfg: dict[str, Any]) -> bool:
+    """Whether the run had concurrent (served) rows."""
+    return bool(cfg["concurrency"] or cfg["decode_heavy_concurrency"] or cfg.get("sampled_concurrency"))
 
 
 def _value(result: dict[str, Any], key: str, where: str) -> float | str | None:
@@ -509,10 +533,12 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
     if cfg["decode_heavy_concurrency"]:
         print(f"decode-heavy: 2 x C requests per level C, {cfg['decode_heavy_prompt_len']} prompt and "
               f"{cfg['decode_heavy_output_len']} output tokens each")
-    if cfg["concurrency"] or cfg["decode_heavy_concurrency"]:
-        print(f"concurrent rows: greedy, ignore_eos, streamed to `tokenmill serve` and to `llama-server -np C` (a "
-              f"server per level); median of {cfg['concurrent_repeats']} runs, fresh prompts each (± spread: "
-              f"(max - min) / median)")
+    if cfg.get("sampled_concurrency"):
+        print(f"sampled: the decode-heavy requests at {bench_serve.describe_sampling(cfg['sampling'])}")
+    if _served(cfg):
+        print(f"concurrent rows: greedy (but sampled), ignore_eos, streamed to `tokenmill serve` and to "
+              f"`llama-server -np C` (a server per level); median of {cfg['concurrent_repeats']} runs, fresh "
+              f"prompts each (± spread: (max - min) / median)")
     peers.print_repack_note(cfg.get("llama_repack"))
     loads = [v for v in load_avgs.values() if v is not None]
     if loads:

@@ -408,7 +408,7 @@ def _fmt(v: float | None, spec: str = "{:.0f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
-def _describe_sampling(sampling: dict[str, float]) -> str:
+def describe_sampling(sampling: dict[str, float]) -> str:
     if sampling["temperature"] == 0:
         return "greedy"
     return (f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, "
@@ -421,7 +421,7 @@ def _print_report(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         peers.print_repack_note(cfg.get("llama_repack"))
     print(f"workload: {cfg['num_requests']} requests, input {cfg['input_len_range'][0]}-{cfg['input_len_range'][1]} "
           f"tokens, output {cfg['output_len_range'][0]}-{cfg['output_len_range'][1]} tokens "
-          f"({cfg['output_tokens']} in all), seed {cfg['seed']}, {_describe_sampling(cfg['sampling'])}, "
+          f"({cfg['output_tokens']} in all), seed {cfg['seed']}, {describe_sampling(cfg['sampling'])}, "
           "ignore_eos, streaming")
     header = (f"{'target':<16}{'load':<22}{'ok':>5}{'req/s':>8}{'out tok/s':>10}{'tot tok/s':>10}"
               f"{'TTFT p50/p90/p99 ms':>22}{'ITL p50/p90/p99 ms':>21}{'E2E p50/p90/p99 s':>20}")

@@ -536,7 +536,7 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
     if cfg.get("sampled_concurrency"):
         print(f"sampled: the decode-heavy requests at {bench_serve.describe_sampling(cfg['sampling'])}")
     if _served(cfg):
-        print(f"concurrent rows: greedy (but sampled), ignore_eos, streamed to `tokenmill serve` and to "
+        print(f"concurrent rows: greedy (the sampled rows as above), ignore_eos, streamed to `tokenmill serve` and to "
               f"`llama-server -np C` (a server per level); median of {cfg['concurrent_repeats']} runs, fresh "
               f"prompts each (± spread: (max - min) / median)")
     peers.print_repack_note(cfg.get("llama_repack"))

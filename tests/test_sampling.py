@@ -530,7 +530,10 @@ def test_penalties_touch_only_seen_tokens_with_the_definitions_arithmetic() -> N
         SamplingParams(repetition_penalty=1.7, presence_penalty=0.5),
         SamplingParams(frequency_penalty=1.9),
     ]
-    ids = lambda n, high: torch.randint(0, high, (n,), generator=generator).tolist()  # noqa: E731
+
+    def ids(n: int, high: int) -> list[int]:
+        return torch.randint(0, high, (n,), generator=generator).tolist()
+
     prompts = [ids(300, vocab), ids(50, 40), [], ids(200, 60), ids(90, vocab), ids(3, vocab), [5] * 40, ids(9, 9)]
     outputs = [ids(20, 30), ids(60, 25), ids(33, 30), [], ids(10, vocab), ids(40, 50), ids(7, 6), []]
     logits = torch.randn(len(params), vocab, generator=generator) * 4

@@ -136,9 +136,10 @@ class SamplingBatch:
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
         repeated_index = output_index = output_counts = None
         if any(uses_repetition):
-            repeated = [_host_token_index(ids, uses_repetition) for ids in (prompt_ids, output_ids)]
-            repeated_index = _to_device(*(np.concatenate(parts) for parts in zip(*repeated, strict=True)),
-                                        device=device)
+            prompt_rows, prompt_tokens = _host_token_index(prompt_ids, uses_repetition)
+            output_rows, output_tokens = _host_token_index(output_ids, uses_repetition)
+            repeated_index = _to_device(np.concatenate([prompt_rows, output_rows]),
+                                        np.concatenate([prompt_tokens, output_tokens]), device)
         uses_count = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
         if any(uses_count):
             rows, token_ids = _host_token_index(output_ids, uses_count)

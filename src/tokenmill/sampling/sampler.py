@@ -77,13 +77,18 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sampled_ids = sample_top_k(logits, batch.top_k, batch.top_p, batch.min_p)
     raced = [row for row, _ in batch.seeded_rows] + [row for row, _ in batch.given_noise]
     if raced:
-        top_k, top_p, min_p = (None if v is None else v[raced] for v in (batch.top_k, batch.top_p, batch.min_p))
+        top_k, top_p, min_p = _rows_of(raced, batch.top_k, batch.top_p, batch.min_p)
         filtered = nucleus_filtered(top_k_filtered(logits[raced], top_k), top_p, min_p)
         noise = torch.stack([_own_noise(g, batch.vocab_size).to(logits.device) for _, g in batch.seeded_rows]
                             + [given for _, given in batch.given_noise])
         # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
         sampled_ids[raced] = filtered.softmax(dim=-1).div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
     return torch.where(batch.greedy, logits.argmax(dim=-1), sampled_ids) if batch.any_greedy else sampled_ids
+
+
+def _rows_of(rows: torch.Tensor | list[int], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Those rows of each tensor (None stays None: a filter no row uses)."""
+    return [None if t is None else t[rows] for t in tensors]
 
 
 # The largest k that sample_top_k draws from the row's k largest logits alone (one `topk`, whose cost
@@ -116,14 +121,14 @@ def sample_top_k(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
             candidates = values[decided, :width]
             candidates.masked_fill_(torch.arange(width) >= k[decided], float("-inf"))
             drawn = narrow[decided]
-            positions = sample_nucleus(candidates, *(None if v is None else v[drawn] for v in (top_p, min_p)))
+            positions = sample_nucleus(candidates, *_rows_of(drawn, top_p, min_p))
             ids[drawn] = indices[decided].gather(1, positions.unsqueeze(1)).squeeze(1)
             left = torch.ones(rows, dtype=torch.bool)
             left[drawn] = False
             rest = rest[left]
     if len(rest):
         if len(rest) < rows:
-            logits, top_k, top_p, min_p = (None if v is None else v[rest] for v in (logits, top_k, top_p, min_p))
+            logits, top_k, top_p, min_p = _rows_of(rest, logits, top_k, top_p, min_p)
         ids[rest] = sample_nucleus(top_k_filtered(logits, top_k), top_p, min_p)
     return ids
 
@@ -167,7 +172,7 @@ def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torc
         mine, mine_probs, mine_top_p = mine[outside], mine_probs[outside], mine_top_p[outside]
         mine_weights = mine_weights[outside].masked_fill_(mine <= drawn, 0.0)
         ids[pending] = mine_ids = inverse_cdf(mine_weights, _uniform(len(pending), logits.device))
-    ids[pending] = _draw_by_thresholds(logits[pending], top_p[pending], None if min_p is None else min_p[pending])
+    ids[pending] = _draw_by_thresholds(*_rows_of(pending, logits, top_p, min_p))
     return ids
 
 

@@ -306,17 +306,16 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
             return [make_prompts(tokenizer, lengths, seed, tag=f"{workload} {level}.{rep} request")
                     for rep in range(repeats)]
 
+        def decode_heavy(levels: list[int], tag: str) -> dict[str, Any]:
+            """2 x C requests of the decode-heavy shape per level C."""
+            return {"levels": levels, "output_lens": {c: [DECODE_HEAVY_OUTPUT_LEN] * (2 * c) for c in levels},
+                    "prompts": {c: fresh([DECODE_HEAVY_PROMPT_LEN] * (2 * c), c, tag) for c in levels}}
+
         workloads = {
             "mixed": {"levels": levels, "output_lens": {c: output_lens for c in levels},
                       "prompts": {c: fresh([len(p) for p in prompts], c, "Mixed") for c in levels}},
-            "decode-heavy": {"levels": dh_levels,
-                             "output_lens": {c: [DECODE_HEAVY_OUTPUT_LEN] * (2 * c) for c in dh_levels},
-                             "prompts": {c: fresh([DECODE_HEAVY_PROMPT_LEN] * (2 * c), c, "Decode-heavy")
-                                         for c in dh_levels}},
-            "sampled": {"levels": sampled_levels, "sampling": SAMPLING,
-                        "output_lens": {c: [DECODE_HEAVY_OUTPUT_LEN] * (2 * c) for c in sampled_levels},
-                        "prompts": {c: fresh([DECODE_HEAVY_PROMPT_LEN] * (2 * c), c, "Sampled")
-                                    for c in sampled_levels}}}
+            "decode-heavy": decode_heavy(dh_levels, "Decode-heavy"),
+            "sampled": {**decode_heavy(sampled_levels, "Sampled"), "sampling": SAMPLING}}
         work = {"workloads": workloads, "seed": seed, "repeats": repeats,
                 "warmup_prompts": make_prompts(tokenizer, [16] * 2, seed, tag="Warm-up")}
         serve_args = argparse.Namespace(**vars(args))

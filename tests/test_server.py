@@ -340,6 +340,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/completions", {}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x", "model": "m" * 100_000}, 404, "model", "model_not_found"),
     # hostile values that once gave a 500 (or, for top_p, failed every request of the step)
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "top_p": 1e-46}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "Hi", "temperature": 0, "top_p": 1e-300, "stream": True}, 400, "top_p", None),
@@ -392,6 +393,7 @@ def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, sta
     r = httpx.post(server.base + path, content=json.dumps(body), headers={**auth(KEY), "Content-Type":
                                                                           "application/json"}, timeout=60)
     check_error(r, status, param, code)
+    assert len(r.content) < 4096   # an error does not echo the request's input back at length
 
 
 def test_error_classes_through_the_openai_client(server, client, model_name):

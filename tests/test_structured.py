@@ -329,4 +329,6 @@ def test_a_constraint_past_the_parser_limits_fails_alone(llm):
     hostile, other = llm.generate(["x", "y"], [SamplingParams(structured_outputs={"regex": "a{1000000}"},
                                                               max_tokens=5), neighbour], use_tqdm=False)
     assert hostile.outputs[0].finish_reason == "error" and "lexer" in hostile.error
+    assert hostile.error_param == "structured_outputs.regex"
+    assert hostile.error.startswith("structured_outputs.regex failed during generation")
     assert other.outputs[0].token_ids == alone

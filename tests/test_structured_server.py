@@ -199,3 +199,50 @@ def test_invalid_forms_are_a_400_naming_the_field(server, body, param, words):
     assert error["param"] == param, error
     for word in words:
         assert word in error["message"], error
+
+
+# ---- hostile constraints ------------------------------------------------------------------------------
+
+def _ref_chain(n: int) -> dict:
+    """A schema whose $refs form a chain n links long (objects nested n deep)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"],
+                      "additionalProperties": False} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _rule_chain(n: int) -> str:
+    """A Lark grammar whose rules form a chain n long: n "w"s, then an "x"."""
+    return "start: r0\n" + "".join(f'r{i}: "w" r{i + 1}\n' for i in range(n)) + f'r{n}: "x"\n'
+
+
+def test_constraints_with_long_chains_compile_and_the_server_goes_on(server, client):
+    """llguidance's compiler recurses once per link of a chain of $refs or grammar rules: on a
+    thread's usual stack, a chain of ~1000 overflowed it and the segfault took the server down.
+    Chains as long as the length limit allows compile (grammar.COMPILE_STACK_BYTES), and the server
+    answers the next request as before."""
+    alone = chat(client, messages=WEATHER, max_tokens=8).choices[0].message.content
+    nested = chat(client, messages=WEATHER, max_tokens=8, response_format={
+        "type": "json_schema", "json_schema": {"name": "chain", "schema": _ref_chain(1500)}})
+    assert re.match(r'\{\s*"a"', nested.choices[0].message.content)
+    ws = client.completions.create(model="smol", prompt="w", max_tokens=8, temperature=0,
+                                   extra_body={"guided_grammar": _rule_chain(8000)})
+    assert re.fullmatch("w+", ws.choices[0].text)
+    assert chat(client, messages=WEATHER, max_tokens=8).choices[0].message.content == alone
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+
+
+def test_a_constraint_that_fails_during_generation_is_a_400_naming_its_field(server):
+    """a{100000} compiles and gives a first mask, but the lexer outgrows llguidance's limits at the
+    first token: the request's own input failed, so it is a 400 naming the field (not a 500), or,
+    once a stream has begun, an error event naming it."""
+    body = {"model": "smol", "prompt": "a", "max_tokens": 8, "guided_regex": "a{100000}"}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_regex" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("guided_regex failed during generation") and "lexer" in error["message"]
+    streamed = httpx.post(server.base + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert streamed.status_code == 200 and events[-1]["error"]["param"] == "guided_regex", events

@@ -55,6 +55,8 @@ class RequestOutput:
     num_cached_tokens: int = 0    # prompt tokens served by the prefix cache (sample 0's, at admission)
     error: str | None = None      # set when the request failed: a sample ended with finish_reason "error"
                                   # and its siblings were aborted (other requests are not affected)
+    error_param: str | None = None  # with `error`: the SamplingParams field whose value made it fail, if one did
+                                    # (a structured-output constraint past the grammar engine's limits)
     metrics: RequestMetrics | None = None   # with speculative decoding: its proposals and acceptance
     kv_transfer_params: dict | None = None  # a K/V producer's: {"remote_kv": NAME}, the prompt's exported K/V
 

@@ -414,7 +414,7 @@ class LLMEngine:
                 try:
                     self.grammars.fill_masks([request.grammar])
                 except Exception as e:
-                    self._fail(request, e)
+                    self._fail(request, request.grammar.failure(f"failed to fill the mask: {e}"))
 
     def _fail(self, request: Request, error: Exception) -> None:
         """End `request` alone because of `error` (a bug or a hostile input that got past
@@ -422,7 +422,10 @@ class LLMEngine:
         logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
                      exc_info=error)
         request.finish("error")
-        request.error = f"{type(error).__name__}: {error}"
+        if isinstance(error, SamplingParamsError):   # its own input: the message begins with the field
+            request.error, request.error_param = str(error), error.field
+        else:
+            request.error = f"{type(error).__name__}: {error}"
         self._release(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:

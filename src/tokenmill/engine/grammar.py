@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import llguidance
 import numpy as np
 import torch
 
-from tokenmill.errors import SamplingParamsError, TokenmillError
+from tokenmill.errors import SamplingParamsError
 from tokenmill.sampling.structured import StructuredOutputsParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -54,20 +55,28 @@ sampled is unknown without a model step, and none of them is part of the text)."
 
 
 class GrammarMatcher:
-    """One request's position in its grammar, and the mask of the tokens that may come next."""
+    """One request's position in its grammar, and the mask of the tokens that may come next.
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_mask: np.ndarray):
+    The grammar failing mid-output (llguidance's limits on the lexer and the parser, checked as
+    they grow, are met by some constraints only after their first token) is a SamplingParamsError
+    naming the constraint's field: the request's own input failed, and it ends that request alone."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_mask: np.ndarray, field: str):
         self._matcher = matcher
+        self.field = field
+        """The constraint's field (structured_outputs.FORM), which the errors name."""
         self._not_eos = ~eos_mask.view(np.uint32)
         self.mask = np.zeros(len(eos_mask), dtype=np.int32)
         """Bit t (word t // 32, bit t % 32) set: token t may come next. Valid after a fill."""
 
     def accept(self, token_id: int) -> None:
-        """Advance past `token_id`; a token the grammar does not allow is an error (it was sampled
-        under the mask, so this is a bug, and it ends that request alone)."""
+        """Advance past `token_id`. It was sampled under the mask, so a refusal means the grammar
+        engine failed here (past a limit), and it ends that request alone."""
         if not self._matcher.consume_token(token_id):
-            raise TokenmillError(f"structured output: the grammar rejected token {token_id}: "
-                                 f"{self._matcher.get_error()[:MAX_ERROR_CHARS]}")
+            raise self.failure(f"rejected token {token_id}: {self._matcher.get_error()[:MAX_ERROR_CHARS]}")
+
+    def failure(self, what: str) -> SamplingParamsError:
+        return SamplingParamsError(self.field, f"failed during generation (the grammar engine {what})")
 
     def draft_masks(self, drafts: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """For speculative decoding: the longest prefix of `drafts` the grammar allows from here, and
@@ -88,8 +97,8 @@ class GrammarMatcher:
         bits = self.mask.view(np.uint32)
         if not (bits & self._not_eos).any():
             if not bits.any():
-                raise TokenmillError(f"structured output: the grammar allows no token here: "
-                                     f"{self._matcher.get_error()[:MAX_ERROR_CHARS] or 'no error given'}")
+                raise self.failure(f"allows no token here: "
+                                   f"{self._matcher.get_error()[:MAX_ERROR_CHARS] or 'no error given'}")
             return COMPLETE
         if np.bitwise_count(bits).sum() != 1:
             return None
@@ -159,20 +168,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return cached
             tokenizer = self.llguidance_tokenizer()
-        field = f"structured_outputs.{spec.form}"
-        try:
-            grammar = _grammar_text(spec)
-        except ValueError as e:
-            raise SamplingParamsError(field, f"is not valid: {str(e)[:MAX_ERROR_CHARS]}") from None
-        limits = llguidance.LLParserLimits(**_LIMITS)
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-        # The first mask builds the lexer, which the copies share: built here, in the compiling
-        # thread (the server's worker), not in the engine's step; every request starts from it.
-        first_mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
-        if matcher.is_error():
-            raise SamplingParamsError(field, f"is not supported or not valid: "
-                                      f"{matcher.get_error()[:MAX_ERROR_CHARS]}")
-        compiled = CompiledGrammar(matcher, first_mask)
+        compiled = _on_compile_stack(_compile, spec, tokenizer)
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
@@ -182,7 +178,7 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one request, with its first mask."""
         compiled = self.compile(spec)
-        state = GrammarMatcher(compiled.matcher.deep_copy(), self._eos_mask)
+        state = GrammarMatcher(compiled.matcher.deep_copy(), self._eos_mask, spec.field)
         state.mask = compiled.first_mask.copy()
         return state
 
@@ -196,6 +192,58 @@ class GrammarCompiler:
                                                masks.ctypes.data, self.mask_words * 4, len(matchers))
         for m, row in zip(matchers, masks, strict=True):
             m.mask = row
+
+
+def _compile(spec: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> CompiledGrammar:
+    """GrammarCompiler.compile's work, on the compile stack."""
+    try:
+        grammar = _grammar_text(spec)
+    except ValueError as e:
+        raise SamplingParamsError(spec.field, f"is not valid: {str(e)[:MAX_ERROR_CHARS]}") from None
+    limits = llguidance.LLParserLimits(**_LIMITS)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    # The first mask builds the lexer, which the copies share: built here, at compile time (in the
+    # server's worker, before the request is admitted), not in the engine's step.
+    first_mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+    if matcher.is_error():
+        raise SamplingParamsError(spec.field, f"is not supported or not valid: "
+                                  f"{matcher.get_error()[:MAX_ERROR_CHARS]}")
+    return CompiledGrammar(matcher, first_mask)
+
+
+COMPILE_STACK_BYTES = 256 << 20
+"""The stack a constraint is compiled on. llguidance's compiler recurses once per link of a chain
+of $refs or grammar rules, a few KB a link: a chain of ~1000 overflows a thread's usual 8 MB, and
+the segfault takes the whole server down. The longest chains that fit in MAX_SPEC_CHARS (an 18k-rule
+Lark chain; 2-3k-link $ref, allOf, anyOf, items chains) need under 64 MB. Address space only:
+pages become resident as the recursion touches them."""
+
+_stack_size_lock = threading.Lock()
+T = TypeVar("T")
+
+
+def _on_compile_stack(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a new thread with a COMPILE_STACK_BYTES stack, its exception re-raised here."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as e:   # re-raised in the caller's thread below
+            outcome.append((False, e))
+
+    with _stack_size_lock:   # threading.stack_size is process-wide: set for this thread alone
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile")
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _grammar_text(spec: StructuredOutputsParams) -> str:

@@ -92,7 +92,7 @@ class OutputProcessor:
             parent = self._parents[parent_id]
             changed[parent_id] = parent.output
             if request.finish_reason == "error":
-                self._fail(parent, request.request_id, request.error or "unknown error")
+                self._fail(parent, request.request_id, request.error or "unknown error", request.error_param)
                 continue
             try:
                 self._update(parent, request)
@@ -122,9 +122,9 @@ class OutputProcessor:
                                                    sum(s.num_accepted_tokens for s in states))
         self._update_sample(request, sample)
 
-    def _fail(self, parent: _Parent, child_id: str, error: str) -> None:
+    def _fail(self, parent: _Parent, child_id: str, error: str, param: str | None = None) -> None:
         """End the whole request: the failed sample with "error", its siblings aborted."""
-        parent.output.error = error
+        parent.output.error, parent.output.error_param = error, param
         parent.request.pending = []
         for sample_id, sample in parent.samples.items():
             self.engine.finish_request(sample_id, "error" if sample_id == child_id else "abort")

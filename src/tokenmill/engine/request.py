@@ -82,6 +82,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     ended_by_token: bool = False          # by an EOS or stop token: the last output token, not part of the text
     error: str | None = None              # why it failed, when finish_reason is "error"
+    error_param: str | None = None        # the params field whose value made it fail (the request's own input)
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # the output's constraint (params.structured_outputs)
     # Speculative decoding (engine/speculative.py), set for one step by the speculator:

@@ -82,12 +82,17 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise SamplingParamsError(_field("disable_any_whitespace"), "must be a bool")
         if len(self.key()) > MAX_SPEC_CHARS:
-            raise SamplingParamsError(_field(self.form), f"is longer than {MAX_SPEC_CHARS} characters")
+            raise SamplingParamsError(self.field, f"is longer than {MAX_SPEC_CHARS} characters")
 
     @property
     def form(self) -> str:
         """The one field that is set ("json", "regex", ...)."""
         return next(name for name in FORMS if getattr(self, name) not in (None, False))
+
+    @property
+    def field(self) -> str:
+        """The set field's name as errors give it ("structured_outputs.json", ...)."""
+        return _field(self.form)
 
     def key(self) -> str:
         """The constraint as canonical text: equal constraints have equal keys (the compile cache's)."""

@@ -123,7 +123,8 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
-            raise ErrorBody(404, f"The model `{model}` does not exist. This server serves "
+            shown = model if len(model) <= 200 else model[:200] + "..."   # (a client's 1 MB name is not echoed)
+            raise ErrorBody(404, f"The model `{shown}` does not exist. This server serves "
                             f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
 
 

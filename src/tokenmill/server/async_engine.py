@@ -62,7 +62,13 @@ class EngineStoppedError(Exception):
 
 
 class RequestFailedError(Exception):
-    """This request failed inside the engine (the others in its step went on); the message says why."""
+    """This request failed inside the engine (the others in its step went on); the message says why.
+    `param`: the SamplingParams field whose value made it fail, when its own input did (then `error`,
+    the engine's message, begins with that field's name); else None."""
+
+    def __init__(self, error: str, param: str | None = None):
+        super().__init__(f"the request failed in the engine: {error}")
+        self.error, self.param = error, param
 
 
 class RequestStream:
@@ -399,7 +405,7 @@ class AsyncEngine:
                 continue
             self._observe(stream, output, now)
             if output.error is not None:
-                stream._fail(RequestFailedError(f"the request failed in the engine: {output.error}"))
+                stream._fail(RequestFailedError(output.error, output.error_param))
             else:
                 stream._put(output)
             if output.finished:

@@ -146,6 +146,12 @@ def engine_error(e: TokenmillError, renames: dict[str, str]) -> ErrorBody:
     else:
         head = message.split(":", 1)[0]
         field = head if re.fullmatch(r"[a-z_]+(\[\d+\]|\.[a-z_]+)*", head) else None
+    return _field_error(field, message, renames)
+
+
+def _field_error(field: str | None, message: str, renames: dict[str, str]) -> ErrorBody:
+    """A 400 naming `field` (a SamplingParams field, renamed to the request's field, in `message` too
+    when it begins with it), or naming none when `field` is None."""
     if field is not None:
         root = field.split("[", 1)[0]
         if root in renames:
@@ -240,9 +246,8 @@ async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None
     try:
         await asyncio.wait_for(asyncio.to_thread(inputs.grammars.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
     except TimeoutError:
-        raise engine_error(SamplingParamsError(f"structured_outputs.{spec.form}", f"took more than "
-                                               f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile; simplify it"),
-                           prepared.renames) from None
+        raise engine_error(SamplingParamsError(spec.field, f"took more than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to "
+                                               "compile; simplify it"), prepared.renames) from None
     except SamplingParamsError as e:
         raise engine_error(e, prepared.renames) from None
 
@@ -477,7 +482,7 @@ async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Requ
                 if prepared.include_usage:
                     yield _sse(fmt.usage_chunk(finals))
             except (EngineStoppedError, RequestFailedError) as e:
-                yield _sse(ErrorBody(500, str(e), type_="server_error").body())
+                yield _sse(_failure(e, prepared).body())
             except Exception as e:   # a bug while formatting: still end the stream properly
                 logger.exception("request %s failed while streaming", request_id)
                 yield _sse(ErrorBody(500, f"internal error: {type(e).__name__}", type_="server_error").body())
@@ -512,5 +517,13 @@ async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Requ
     try:
         finals = work.result()
     except (EngineStoppedError, RequestFailedError) as e:
-        raise ErrorBody(500, str(e), type_="server_error") from None
+        raise _failure(e, prepared) from None
     return JSONResponse(fmt.response(finals))
+
+
+def _failure(e: EngineStoppedError | RequestFailedError, prepared: Prepared) -> ErrorBody:
+    """A request that failed once running: a 400 naming the field when its own input made it fail
+    (a constraint past the grammar engine's limits), else a 500."""
+    if isinstance(e, RequestFailedError) and e.param is not None:
+        return _field_error(e.param, e.error, prepared.renames)
+    return ErrorBody(500, str(e), type_="server_error")

@@ -291,6 +291,18 @@ def test_jump_forward_changes_no_token(llm, monkeypatch):
 
 # ---- refused ------------------------------------------------------------------------------------------
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP = _nested(5000)        # deeper than Python's recursion limit: json can neither write nor read it
+CYCLIC: dict = {"type": "array"}
+CYCLIC["items"] = CYCLIC
+
+
 @pytest.mark.parametrize("spec,field,words", [
     ({"json": {"type": "wat"}}, "structured_outputs.json", ["wat"]),
     ({"json": "{not json"}, "structured_outputs.json", ["not valid JSON"]),
@@ -300,6 +312,10 @@ def test_jump_forward_changes_no_token(llm, monkeypatch):
     ({"json": {}, "regex": "a"}, "structured_outputs", ["exactly one"]),
     ({}, "structured_outputs", ["exactly one"]),
     ({"jsn": {}}, "structured_outputs.jsn", ["not a structured output field"]),
+    ({"json": DEEP}, "structured_outputs.json", ["nested too deeply"]),
+    ({"json": '{"items": ' * 5000 + "{}" + "}" * 5000}, "structured_outputs.json", ["nested too deeply"]),
+    ({"json": CYCLIC}, "structured_outputs.json", ["not JSON data", "Circular"]),
+    ({"json": {"enum": {1, 2}}}, "structured_outputs.json", ["not JSON data", "set"]),
 ])
 def test_invalid_constraints_are_refused_naming_the_field(llm, spec, field, words):
     with pytest.raises(SamplingParamsError) as e:

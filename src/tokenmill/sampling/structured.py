@@ -60,6 +60,8 @@ class StructuredOutputsParams:
                     schema = json.loads(self.json)
                 except ValueError as e:
                     raise SamplingParamsError(_field("json"), f"is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise SamplingParamsError(_field("json"), "is nested too deeply") from None
                 object.__setattr__(self, "json", schema)
             if not isinstance(self.json, (dict, bool)):
                 raise SamplingParamsError(_field("json"), f"must be a JSON schema (an object), got "
@@ -81,7 +83,13 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", list(choices))
         if not isinstance(self.disable_any_whitespace, bool):
             raise SamplingParamsError(_field("disable_any_whitespace"), "must be a bool")
-        if len(self.key()) > MAX_SPEC_CHARS:
+        try:
+            key = self.key()
+        except RecursionError:
+            raise SamplingParamsError(self.field, "is nested too deeply") from None
+        except (TypeError, ValueError) as e:   # a Python value JSON has no form for, or a cycle
+            raise SamplingParamsError(self.field, f"is not JSON data: {e}") from None
+        if len(key) > MAX_SPEC_CHARS:
             raise SamplingParamsError(self.field, f"is longer than {MAX_SPEC_CHARS} characters")
 
     @property

@@ -337,6 +337,7 @@ def test_speculative_config_is_vllms_dict_or_its_json():
     for bad, message in [({"method": "ngram"}, "num_speculative_tokens is required"),
                          ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
                          ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                         ({"method": "ngram", "num_speculative_tokens": 10**8}, "at most 128, got 100000000"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key(s) 'typo'"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                            "prompt_lookup_max": 2}, "prompt_lookup_min (4) exceeds"),

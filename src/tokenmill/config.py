@@ -428,6 +428,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torc
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 128
+"""The most num_speculative_tokens may ask for: far past where one more row still pays (the
+adaptive draft length stops short of it), and each step weighs every length up to it."""
 
 
 @dataclass(frozen=True)
@@ -456,6 +459,9 @@ class SpeculativeConfig:
             raise TokenmillError(f"{where}: method {self.method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             _check_positive(f"{where}.{name}", getattr(self, name))
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise TokenmillError(f"{where}.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got "
+                                 f"{self.num_speculative_tokens}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise TokenmillError(f"{where}: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                                  f"({self.prompt_lookup_max})")

@@ -297,6 +297,9 @@ def test_cached_prompt_tokens_are_reported(client, model_name):
 
 def test_models_tokenize_detokenize_metrics(server, client, model_name, tokenizer):
     assert [m.id for m in client.models.list().data] == [model_name]
+    assert client.models.retrieve(model_name).id == model_name   # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/another-model")
     r = httpx.post(server.base + "/tokenize", json={"prompt": PROMPT}).json()
     assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == 5 and r["max_model_len"] == MAX_MODEL_LEN
     messages = [{"role": "user", "content": "hi"}]

@@ -17,6 +17,8 @@ import logging
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -184,14 +186,51 @@ def test_trailing_slash_is_a_404_naming_the_route(inproc):
     assert "did you mean" not in check_error(r, 404, None, None)["message"]
 
 
-def test_head_health_answers_like_get(inproc):
+def test_head_health_and_metrics_answer_like_get(inproc):
     r = httpx.head(inproc.base + "/health")
     assert r.status_code == 200 and r.content == b""
     assert r.headers["content-type"] == "application/json"
+    r = httpx.head(inproc.base + "/metrics")
+    assert r.status_code == 200 and r.content == b"" and r.headers["content-type"].startswith("text/plain")
+
+
+def test_a_long_unknown_path_is_not_echoed_back(inproc):
+    r = httpx.get(inproc.base + "/x" * 15_000)
+    assert "no route GET /x/x" in check_error(r, 404, None, None)["message"] and len(r.content) < 1024
 
 
 def test_tokenize_refuses_empty_messages(inproc):
     check_error(httpx.post(inproc.base + "/tokenize", json={"messages": []}), 400, "messages", None)
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+def test_serve_refuses_bad_server_flags(capsys, default_gguf_path):
+    for args, words in ((["--port", "70000"], "--port: must be between 1 and 65535, got 70000"),
+                        (["--port", "0"], "--port: must be between 1 and 65535"),
+                        (["--served-model-name", ""], "--served-model-name: must not be empty"),
+                        (["--model", ""], "model must not be empty")):
+        assert main(["serve", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tokenmill: error: {words}") and "Traceback" not in err, err
+
+
+def test_serve_on_a_port_in_use_or_a_foreign_address_is_one_error_before_loading(default_gguf_path):
+    """The socket is bound before the model loads: a port in use is exit 2 at once with one line
+    naming --port, never "serving" announced and then uvicorn's exit 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, words in (([default_gguf_path, "--port", str(port)], f"--port: cannot listen on 127.0.0.1:{port}"),
+                            ([default_gguf_path, "--host", "192.0.2.1"], "--host: cannot listen on 192.0.2.1"),
+                            ([default_gguf_path, "--host", "no-such-host.invalid"], "--host: 'no-such-host.invalid'")):
+            r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", *map(str, args)], capture_output=True,
+                               text=True, timeout=120)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+            errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+            assert len(errors) == 1 and errors[0].startswith(f"tokenmill: error: {words}"), r.stderr
+            assert "serving" not in r.stderr and "memory plan" not in r.stderr
 
 
 # ---- read timeouts -----------------------------------------------------------------------------------

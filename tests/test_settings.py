@@ -90,6 +90,30 @@ def test_threads_sets_the_engines_thread_count(tiny_hf_model):
         torch.set_num_threads(before)
     with pytest.raises(TokenmillError, match="threads"):
         EngineConfig(threads=0)
+    # (100000 once crashed the process inside OpenMP's runtime)
+    with pytest.raises(TokenmillError, match="threads must be at most 512, got 100000"):
+        EngineConfig(threads=100_000)
+
+
+@pytest.mark.parametrize("setting", ["model", "tokenizer", "chat_template"])
+def test_empty_paths_are_refused(setting):
+    with pytest.raises(TokenmillError, match=f"{setting} must not be empty"):
+        EngineConfig(**{setting: " "})
+
+
+def test_a_kv_pool_larger_than_the_machine_is_refused_before_allocation(tiny_hf_model):
+    """The pool is reserved untouched: one that can never be resident would pass the load and fail
+    once requests filled it (10^12 blocks once raised MemoryError from the block list)."""
+    path = str(tiny_hf_model("llama"))
+    with pytest.raises(TokenmillError, match=r"num_kv_blocks: 1000000000000 blocks .* more than the cpu memory"):
+        LLM(path, dtype="float32", num_kv_blocks=10**12)
+    with pytest.raises(TokenmillError, match=r"kv_cache_memory: 10240.0 GiB is more than the cpu memory"):
+        LLM(path, dtype="float32", kv_cache_memory="10TiB")
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(tiny_hf_model, default_gguf_path):
+    with pytest.raises(TokenmillError, match=r"tokenizer: .* has 49152 tokens, more than the model's vocabulary"):
+        LLM(str(tiny_hf_model("llama")), dtype="float32", tokenizer=str(default_gguf_path))
 
 
 def test_chat_template_as_a_string_or_a_file(tiny_hf_model, tmp_path):

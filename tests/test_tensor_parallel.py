@@ -286,13 +286,23 @@ def test_ranks_started_elsewhere_join_through_torchrun_variables(tiny_hf_model, 
 
 
 @pytest.mark.parametrize("env,message", [({}, "set MASTER_ADDR"), ({"RANK": "0"}, "RANK=0 is the engine's"),
-                                         ({"RANK": "2"}, "not one of WORLD_SIZE 2's ranks")])
+                                         ({"RANK": "2"}, "not one of WORLD_SIZE 2's ranks"),
+                                         ({"RANK": "1", "MASTER_PORT": "99999"}, "MASTER_PORT must be a TCP port"),
+                                         ({"RANK": "1", "MASTER_PORT": "-1"}, "MASTER_PORT must be a TCP port")])
 def test_worker_command_refuses_a_missing_or_wrong_rank(env, message):
     meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "2"} if env else {}
     clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
     out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker"], env={**clean, **meet, **env},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_a_worker_whose_engine_never_comes_gives_up_after_the_join_timeout():
+    # (a worker started by hand with a wrong MASTER_ADDR once waited a year; its collectives still may)
+    start = time.monotonic()
+    with pytest.raises(ParallelError, match="rank 1 could not join the group"):
+        parallel.connect("127.0.0.1", free_port(), 1, 2, workers.WORKER_TIMEOUT_S, join_timeout_s=2)
+    assert time.monotonic() - start < 30
 
 
 def test_an_engine_rank_that_is_not_zero_is_refused(tiny_hf_model, monkeypatch):

@@ -538,6 +538,11 @@ def _config_dict(where: str, value: Mapping[str, Any] | str, cls: type) -> dict[
     return dict(value)
 
 
+MAX_THREADS = 512
+"""The most threads a process may ask for (ggml's GGML_MAX_N_THREADS too): far past any machine's
+cores, and short of where OpenMP's runtime fails to start its threads (it crashes the process)."""
+
+
 def setting(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
             cli: bool = True) -> Any:
     """A field of EngineConfig with what the command line needs: its help text, extra flag spellings
@@ -614,6 +619,9 @@ class EngineConfig:
             if f.type == "bool" and not isinstance(value, bool) or \
                     f.type in ("str", "str | None") and not isinstance(value, str) and value is not None:
                 raise TokenmillError(f"{f.name} must be {f.type.replace(' | None', ' or None')}, got {value!r:.60}")
+        for name in ("model", "tokenizer", "chat_template"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise TokenmillError(f"{name} must not be empty")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         if isinstance(self.kv_cache_memory, str):
@@ -624,6 +632,9 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise TokenmillError(f"threads must be at most {MAX_THREADS}, got {self.threads} (this machine has "
+                                 f"{os.cpu_count()} cores)")
         if self.pipeline_parallel_size != 1:
             raise TokenmillError(f"pipeline_parallel_size {self.pipeline_parallel_size!r}: pipeline parallelism is "
                                  f"not supported (on a CPU a pipeline's stages run one after the other for each "

@@ -46,6 +46,8 @@ def model_path(model: str | None) -> str:
 def resolve_model(model: str) -> str:
     """The local path of `model`: itself when it exists (or is no hub id), else the hub id's files
     from the cache, downloaded first when allowed."""
+    if not model.strip():   # (Path("") is the current folder)
+        raise TokenmillError("model must not be empty")
     if Path(model).expanduser().exists():
         return str(Path(model).expanduser())
     match = _REPO_ID.fullmatch(model)

@@ -230,18 +230,21 @@ def scaled(r: range, factor: int) -> range:
     return range(r.start * factor, r.stop * factor)
 
 
-def connect(host: str, port: int, rank: int, size: int, timeout_s: float) -> TensorParallel:
+def connect(host: str, port: int, rank: int, size: int, timeout_s: float,
+            join_timeout_s: float | None = None) -> TensorParallel:
     """Rank `rank` of a new gloo group of `size` ranks that meet at host:port (rank 0 listens there);
-    `timeout_s` bounds this process's waits in it (the rendezvous and every collective).
+    `timeout_s` bounds this process's waits in it (every collective), `join_timeout_s` (default:
+    the same) its wait for the rendezvous.
 
     The group is this engine's own (a ProcessGroupGloo over its own TCPStore), not torch.distributed's
     default group: a process may run several engines (a test, a server with a draft model), and
     nothing here depends on global state."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        join = timeout if join_timeout_s is None else datetime.timedelta(seconds=join_timeout_s)
+        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=join)
         group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, TypeError) as e:   # (TypeError: a port TCPStore cannot take)
         raise ParallelError(f"tensor parallel: rank {rank} could not join the group at {host}:{port}: {e}") from e
     return TensorParallel(rank, size, group)
 

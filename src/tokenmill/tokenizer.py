@@ -56,6 +56,7 @@ class Tokenizer:
             tid for tid, token in parts.backend.get_added_tokens_decoder().items() if token.special
         )
         self._compiled: tuple[str, jinja2.Template] | None = None  # (source text, compiled)
+        self._template_origin = f"the chat template of {source}"  # where chat_template came from, for messages
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
@@ -103,11 +104,12 @@ class Tokenizer:
         """Whether `decode(..., skip_special_tokens=True)` leaves this token out (control tokens)."""
         return token_id in self._special_ids
 
-    def set_chat_template(self, template: str, source: str) -> None:
-        """Use `template` instead of the model's; compiled now, so a syntax error names `source` at
-        load instead of at the first chat."""
-        self._compiled = (template, compile_chat_template(template, source))
+    def set_chat_template(self, template: str, origin: str) -> None:
+        """Use `template` instead of the model's; compiled now, so a syntax error names `origin`
+        ("the chat_template setting") at load instead of at the first chat."""
+        self._compiled = (template, compile_chat_template(template, origin))
         self.chat_template = template
+        self._template_origin = origin
 
     def apply_chat_template(
         self,
@@ -124,14 +126,14 @@ class Tokenizer:
                 "chat_template in tokenizer_config.json or chat_template.jinja in a folder)"
             )
         if self._compiled is None or self._compiled[0] != self.chat_template:
-            self._compiled = (self.chat_template, compile_chat_template(self.chat_template, self.source))
+            self._compiled = (self.chat_template, compile_chat_template(self.chat_template, self._template_origin))
         special = {
             name: self._backend.id_to_token(tid)
             for name, tid in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))
             if tid is not None
         }
         text = render_chat_template(
-            self._compiled[1], self.source,
+            self._compiled[1], self._template_origin,
             **special, **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
         )  # fmt: skip
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -357,26 +359,26 @@ def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def compile_chat_template(template: str, source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox; a syntax error names the checkpoint."""
+def compile_chat_template(template: str, origin: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox; a syntax error names its `origin` ("the chat template
+    of model.gguf")."""
     try:
         return _chat_environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise TokenmillError(f"the chat template of {source} is not valid Jinja (line {e.lineno}: {e.message})") from e
+        raise TokenmillError(f"{origin} is not valid Jinja (line {e.lineno}: {e.message})") from e
 
 
-def render_chat_template(template: jinja2.Template, source: str, **variables: Any) -> str:
+def render_chat_template(template: jinja2.Template, origin: str, **variables: Any) -> str:
     """Render a compiled chat template. Whatever goes wrong (a `raise_exception` in the template,
     a missing field, an unsafe attribute the sandbox refuses) is a TokenmillError naming it."""
     try:
         return template.render(**variables)
     except jinja2.sandbox.SecurityError as e:
-        raise TokenmillError(f"the chat template of {source} tried an unsafe operation: {e}") from e
+        raise TokenmillError(f"{origin} tried an unsafe operation: {e}") from e
     except jinja2.TemplateError as e:
-        raise TokenmillError(f"the chat template of {source} failed: {e}") from e
+        raise TokenmillError(f"{origin} failed: {e}") from e
     except Exception as e:  # e.g. non-string message content, a recursive macro, an int too long for str()
-        raise TokenmillError(f"the chat template of {source} failed on these messages: "
-                             f"{type(e).__name__}: {e}") from e
+        raise TokenmillError(f"{origin} failed on these messages: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------

@@ -232,10 +232,10 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def cmd_replicas(args: argparse.Namespace) -> int:
-    from tokenmill.hub import default_model_path, model_path
+    from tokenmill.hub import model_path
     from tokenmill.tokenizer import load_tokenizer
 
-    model = model_path(args.model_path or args.model or default_model_path())
+    model = model_path(args.model_path if args.model_path is not None else args.model)
     tokenizer = load_tokenizer(model)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.request import check_prompt_token_ids
 from tokenmill.errors import TokenmillError
 from tokenmill.hub import model_path, resolve_model
+from tokenmill.models.loader import checkpoint_config
 from tokenmill.sampling import SamplingParams, SamplingParamsError
 from tokenmill.sampling.structured import StructuredOutputsParams
 from tokenmill.tokenizer import (
@@ -166,8 +167,13 @@ def _open_model(model: str | None, config: EngineConfig) -> tuple[GGUFCheckpoint
     ckpt = open_checkpoint(path)
     tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else
                                ckpt if isinstance(ckpt, GGUFCheckpoint) else path)
+    if config.tokenizer:   # (a model may have more embedding rows than tokens, never fewer)
+        vocab_size = checkpoint_config(ckpt)[1].vocab_size
+        if tokenizer.vocab_size > vocab_size:
+            raise TokenmillError(f"tokenizer: {tokenizer.source} has {tokenizer.vocab_size} tokens, more than the "
+                                 f"model's vocabulary ({vocab_size}): it is another model's tokenizer")
     if config.chat_template is not None:
-        tokenizer.set_chat_template(read_chat_template(config.chat_template), "chat_template")
+        tokenizer.set_chat_template(read_chat_template(config.chat_template), "the chat_template setting")
     generation_config = ckpt.generation_config if isinstance(ckpt, HFCheckpoint) else {}
     eos = set(tokenizer.eos_token_ids)
     gen_eos = generation_config.get("eos_token_id")

@@ -13,7 +13,14 @@ from tokenmill import parallel
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import allocate_kv_caches, kv_layout
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.workers import WORKER_TIMEOUT_S, Rendezvous, WorkerSpec, on_stdin_closed, receive_batch
+from tokenmill.engine.workers import (
+    COLLECTIVE_TIMEOUT_S,
+    WORKER_TIMEOUT_S,
+    Rendezvous,
+    WorkerSpec,
+    on_stdin_closed,
+    receive_batch,
+)
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -24,7 +31,8 @@ def worker_main(rank: int, meet: Rendezvous) -> None:
     rank 0 broadcasts until it sends None. Returns when the engine shut the group down; raises
     ParallelError if the group broke."""
     logging.basicConfig(level=logging.WARNING, format=f"tokenmill-tp{rank} %(levelname)s %(name)s: %(message)s")
-    tp = parallel.connect(meet.host, meet.port, rank, meet.world_size, WORKER_TIMEOUT_S)
+    # (an engine that never comes, e.g. a wrong MASTER_ADDR, ends the wait in bounded time)
+    tp = parallel.connect(meet.host, meet.port, rank, meet.world_size, WORKER_TIMEOUT_S, COLLECTIVE_TIMEOUT_S)
     try:
         spec = parallel.broadcast_object(None, tp)
         if spec.shm is not None:

@@ -60,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 # Rank 0's waits (the rendezvous, every collective: a step's, or the workers' loads) fail past this:
 # a hung (not dead) worker ends the engine in bounded time; a dead one is found at once. Workers wait
-# without limit (an idle engine sends nothing), and exit when the engine's process is gone.
+# without limit (an idle engine sends nothing), and exit when the engine's process is gone; but a
+# worker started by hand waits for its engine's rendezvous no longer than COLLECTIVE_TIMEOUT_S.
 COLLECTIVE_TIMEOUT_S = 600
 WORKER_TIMEOUT_S = 365 * 24 * 3600   # gloo needs a number
 JOIN_TIMEOUT_S = 10
@@ -97,6 +98,8 @@ class Rendezvous:
             port, size, rank = int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), int(env["RANK"])
         except ValueError as e:
             raise TokenmillError(f"MASTER_PORT, WORLD_SIZE and RANK must be integers: {e}") from e
+        if not 1 <= port <= 65535:
+            raise TokenmillError(f"MASTER_PORT must be a TCP port (1..65535), got {port}")
         if not (0 <= rank < size):
             raise TokenmillError(f"RANK {rank} is not one of WORLD_SIZE {size}'s ranks 0..{size - 1}")
         return Rendezvous(env["MASTER_ADDR"], port, size), rank

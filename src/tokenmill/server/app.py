@@ -2,9 +2,9 @@
 uvicorn server around it (read timeouts, draining shutdown).
 
     POST /v1/completions, /v1/chat/completions     (stream or not; see serving.py)
-    GET  /v1/models
+    GET  /v1/models, /v1/models/{model}
     GET  /health        200 once the model is loaded, 503 while loading or shutting down (HEAD too)
-    GET  /metrics       Prometheus text (see metrics.py)
+    GET  /metrics       Prometheus text (see metrics.py; HEAD too)
     POST /tokenize, /detokenize
     GET  /, /engine     the web UI: a chat playground, and the engine live (see web.py)
 
@@ -19,6 +19,7 @@ redirected POST loses its body in many clients).
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hmac
 import json
@@ -123,8 +124,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
-            shown = model if len(model) <= 200 else model[:200] + "..."   # (a client's 1 MB name is not echoed)
-            raise ErrorBody(404, f"The model `{shown}` does not exist. This server serves "
+            raise ErrorBody(404, f"The model `{echoed(model)}` does not exist. This server serves "
                             f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
 
 
@@ -275,12 +275,19 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, serving.prepare_chat)
 
+    def model_card() -> dict[str, Any]:
+        max_len = state.engine.engine.max_model_len if state.engine is not None else None
+        return {"id": config.served_model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+                "max_model_len": max_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        max_len = state.engine.engine.max_model_len if state.engine is not None else None
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
-                                            "created": state.created, "owned_by": "tokenmill",
-                                            "max_model_len": max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")   # (a path: a hub id such as org/name holds a slash)
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        state.check_model(model)
+        return model_card()
 
     app.include_router(v1)
     add_web_routes(app, config, state.ready_engine, check_api_key,
@@ -291,7 +298,7 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
         status = state.status()
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -328,10 +335,16 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
     return app
 
 
+def echoed(text: str, limit: int = 200) -> str:
+    """A client's text as an error message quotes it: cut at `limit` characters (a 1 MB model name
+    or path is not sent back)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def not_found_message(request: Request) -> str:
     """The 404 message; it names the route a trailing slash missed (`/v1/completions/`)."""
     path = request.url.path
-    message = f"no route {request.method} {path} on this server"
+    message = f"no route {echoed(request.method)} {echoed(path)} on this server"
     stripped = path.rstrip("/")
     if stripped and stripped != path:
         scope = {**request.scope, "path": stripped}
@@ -456,12 +469,34 @@ def draining_server(app: ASGIApp, host: str, port: int, log_level: str, read_tim
         shutdown_timeout, on_drain_timeout, on_shutdown)
 
 
-def run_until_signal(server: uvicorn.Server) -> None:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to serve on. Bound before anything loads, so that a
+    port in use or an address not of this machine is one error naming the flag, at once (uvicorn
+    binds only after the app has started, and then exits with status 3)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise TokenmillError(f"--host: {host!r} is not an address ({e.strerror})") from e
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (as uvicorn: a restart can reuse the port)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        flag = "--host" if e.errno == errno.EADDRNOTAVAIL else "--port"
+        raise TokenmillError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+def run_until_signal(server: uvicorn.Server, listener: socket.socket) -> None:
+    """Serve on `listener` (listening_socket's) until the server exits."""
     # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it to the previous handler
     # once done; a no-op handler there makes that a clean exit instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        server.run()
+        with listener:
+            server.run(sockets=[listener])
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -473,6 +508,8 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
     end the rest with an error (a stream gets an error event and `data: [DONE]`, a non-streaming
     request a 500), stop the engine, return 0. If the engine
     dies (a tensor-parallel worker is gone), its requests fail and the server shuts down: return 1."""
+    listener = listening_socket(host, port)
+
     def on_ready() -> None:
         print_ready(config, host, port)
 
@@ -500,7 +537,7 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
     app = create_app(config, on_ready=on_ready if announce else None, on_load_error=on_load_error, on_fatal=on_fatal)
     server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout, drain,
                              end_feeds)
-    run_until_signal(server)
+    run_until_signal(server, listener)
     error = app.state.tokenmill.load_error
     if isinstance(error, TokenmillError):
         raise error

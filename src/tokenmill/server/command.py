@@ -18,6 +18,7 @@ from tokenmill.server.config import (
 )
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+MAX_PORT = 65535
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -70,12 +71,18 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise TokenmillError(f"MODEL: given twice ({args.model_path!r} and --model {args.model!r})")
-    model = args.model_path or args.model or default_model_path()
-    for name in ("port", "max_queued_requests", "max_body_bytes"):
+    model = args.model_path if args.model_path is not None else args.model
+    if model is None:
+        model = default_model_path()
+    if not 1 <= args.port <= MAX_PORT:
+        raise TokenmillError(f"--port: must be between 1 and {MAX_PORT}, got {args.port}")
+    for name in ("max_queued_requests", "max_body_bytes"):
         value = getattr(args, name)
         if value < (1 if name != "max_queued_requests" else 0):
             raise TokenmillError(f"--{name.replace('_', '-')}: must be >= {1 if name != 'max_queued_requests' else 0},"
                                  f" got {value}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise TokenmillError("--served-model-name: must not be empty")
     if not args.shutdown_timeout >= 0:   # (written so that NaN is refused too)
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:

@@ -52,6 +52,7 @@ from tokenmill.server.app import (
     InternalErrorMiddleware,
     add_error_handlers,
     draining_server,
+    listening_socket,
     print_ready,
     read_body,
     run_until_signal,
@@ -376,7 +377,7 @@ def create_frontend(front: FrontEnd) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "unavailable", "replicas": replicas},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(await front.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -404,6 +405,7 @@ def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, s
     "decode": disaggregated) until SIGINT / SIGTERM, which drains the replicas. Returns 1 if a
     replica never came up."""
     failure: list[str] = []
+    listener = listening_socket(host, port)
 
     def on_ready() -> None:
         what = (f"{len(roles)} replicas" if not front.disaggregated else "a prefill and a decode replica")
@@ -422,5 +424,5 @@ def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, s
     # handlers end as their relays do.
     server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout,
                              lambda: None, front.stop_replicas)
-    run_until_signal(server)
+    run_until_signal(server, listener)
     return 1 if failure or not server.started else 0

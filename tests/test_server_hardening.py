@@ -245,6 +245,22 @@ def test_serve_refuses_bad_timeouts(capsys):
         assert err.startswith(f"tokenmill: error: {flag}: {words}") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",   # bad chunk size
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",   # past h11's header limit
+    b"NOT HTTP AT ALL\r\n\r\n",
+], ids=["chunk-size", "content-length", "header-size", "request-line"])
+def test_malformed_http_framing_is_a_json_400(timeout_server, request_bytes):
+    with connect(timeout_server.port) as sock:
+        sock.sendall(request_bytes)
+        status, headers, body = read_response(sock)
+    assert status == 400 and headers["content-type"] == "application/json", (headers, body)
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "malformed" in error["message"]
+    assert httpx.get(timeout_server.base + "/health").status_code == 200
+
+
 def test_slow_request_headers_close_the_connection(timeout_server):
     with connect(timeout_server.port) as sock:    # a slowloris: the headers never end
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")

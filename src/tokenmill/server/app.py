@@ -361,7 +361,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     (slowloris), holds a connection forever. Here a timer is armed when the connection opens and
     after every response, and disarmed only once a request's headers are complete (uvicorn then
     starts a request cycle), never by a byte arriving; when it fires, the connection is closed.
-    The body has its own deadline, in read_body. Use `with_timeout` for a subclass to give uvicorn."""
+    The body has its own deadline, in read_body. Use `with_timeout` for a subclass to give uvicorn.
+    Malformed requests get the JSON error body (send_400_response)."""
 
     header_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S
 
@@ -404,6 +405,20 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         if self.header_timer is not None:
             self.header_timer.cancel()
             self.header_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a bad request line, chunk size or Content-Length, headers past
+        its size limit) gets OpenAI's JSON error body like every other error here (uvicorn's is
+        text/plain), then the connection closes: where the next request would begin is unknown."""
+        error = ErrorBody(400, f"{msg.rstrip('.')}: the request is malformed HTTP (its request line, headers, "
+                          f"Content-Length or chunked encoding)")
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def header_timeout_expired(self) -> None:
         self.header_timer = None

@@ -361,6 +361,7 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, 400, None, None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools", None),

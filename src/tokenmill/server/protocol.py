@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo, field_validator
 
@@ -200,7 +200,8 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: ChatRole
-    content: str | list[TextPart] | None = None   # (None only in an assistant message with tool_calls)
+    # (None only in an assistant message with tool_calls; an empty list of parts is refused, as OpenAI does)
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
     tool_calls: list[JsonObject] | None = None     # an earlier assistant reply's calls
     tool_call_id: str | None = None                # a "tool" message: the call it answers

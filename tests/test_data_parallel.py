@@ -301,6 +301,38 @@ def test_hostile_bodies_get_the_replicas_errors(servers):
 
 
 @pytest.mark.slow
+def test_what_the_front_end_cannot_pass_on_is_a_4xx_not_a_500(servers):
+    """Inputs Python's JSON parser or httpx took differently from the replicas (found by a hostile
+    sweep: each was a 500 with a traceback in the front end's log)."""
+    dp, _ = servers
+    surrogate = b'{"prompt": "\\ud800' + b"a" * (2 * CHUNK_CHARS) + b'", "max_tokens": 2}'   # (hashed by the router)
+    r = httpx.post(dp.base + "/v1/completions", content=surrogate, timeout=60)
+    assert r.status_code == 400, r.text
+    r = httpx.post(dp.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60,
+                   headers={"User-Agent": "b\xe9ta".encode("latin-1"), "X-Raw": b"\xff\xfe"})
+    assert r.status_code == 200, r.text
+    for path in ("/%00", "/v1/models/a%00b"):
+        r = httpx.get(dp.base + path, timeout=60)
+        assert r.status_code in (400, 404) and r.json()["error"]["message"], (path, r.text)
+    assert health(dp.base)["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_client_gone_before_a_non_streamed_answer_aborts_it_on_the_replica(servers):
+    dp, _ = servers
+    for _ in range(2):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(dp.base + "/v1/completions", json={"prompt": "Tell me a long story", "max_tokens": 480,
+                                                          "ignore_eos": True}, timeout=1)
+    deadline = time.monotonic() + 20   # (480 tokens take longer than that here; an abort takes about a second)
+    while time.monotonic() < deadline and (labelled(dp.base).get(("tokenmill_num_requests_running", "all"), 0)
+                                           or any(r["in_flight"] for r in health(dp.base)["replicas"])):
+        time.sleep(0.2)
+    assert labelled(dp.base)[("tokenmill_num_requests_running", "all")] == 0
+    assert labelled(dp.base)[('tokenmill_requests_total,status=abort', "all")] >= 2
+
+
+@pytest.mark.slow
 def test_other_routes_reach_one_replica_whatever_their_method(servers):
     dp, _ = servers
     # (a replica's answers: DELETE is relayed too, not refused by the front end with a 405)

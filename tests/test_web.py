@@ -260,6 +260,9 @@ def test_feed_and_burst_need_the_key_and_the_flag(keyed_server, server):
     r = httpx.post(server.base + "/engine/burst", json={"requests": 0, "prompt_tokens": 4, "output_tokens": 1},
                    timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "requests"
+    r = httpx.post(server.base + "/engine/burst", json={"requests": 1, "prompt_tokens": 4, "output_tokens": 1,
+                                                        "temperature": 1e300}, timeout=10)   # (once a 500)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
 def test_sigterm_ends_an_open_feed_and_the_server_exits_at_once(tiny_gguf_model, tmp_path):

@@ -260,6 +260,8 @@ class LLMEngine:
                                      "load_engine), so it cannot compile constraints")
             grammar = self.grammars.matcher(params.structured_outputs)
         export, loaded = self._kv_transfer(params.kv_transfer_params, prompt_token_ids)
+        if export:   # (checked against the max_tokens the decode side will generate, then ended after one)
+            max_tokens = 1
         request = Request(request_id, list(prompt_token_ids), params, max_tokens,
                           frozenset() if params.ignore_eos else self.eos_token_ids, priority=priority,
                           grammar=grammar, kv_export=export, kv_load=loaded)

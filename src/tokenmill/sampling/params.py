@@ -129,7 +129,8 @@ class SamplingParams:
     kv_transfer_params: dict[str, Any] | None = None
     """Prefill/decode disaggregation (vLLM's field; engine/kv_transfer.py), for an engine started
     with a kv_transfer_config: {"do_remote_decode": true} on a producer (export the prompt's K/V;
-    the output's kv_transfer_params names it), {"remote_kv": NAME} on a consumer (load it)."""
+    the output's kv_transfer_params names it; the request ends after one token, its max_tokens
+    checked against max_model_len as the consumer will check it), {"remote_kv": NAME} on a consumer (load it)."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)

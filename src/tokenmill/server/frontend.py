@@ -48,6 +48,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill.config import KVTransferConfig
 from tokenmill.engine.kv_transfer import transfer_path
+from tokenmill.server import serving
 from tokenmill.server.app import (
     InternalErrorMiddleware,
     add_error_handlers,
@@ -70,14 +71,23 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Not relayed either way: hop-by-hop headers, and those the relaying HTTP client sets itself.
 _DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                     "date", "server"}
-# The decode replica generates; the prefill replica's one-token request leaves these out (a
-# min_tokens above 1 would be refused with max_tokens 1; usage options shape a stream it does not send).
-_PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "stream_options", "best_of")
+# The decode replica generates; the prefill replica's request (n = 1, not streamed) leaves these
+# out. It keeps max_tokens and min_tokens: the prefill replica checks them as the decode replica will
+# (a prompt too long for them is refused before it is prefilled), and ends an export after one token.
+_PREFILL_DROPPED = ("stream_options", "best_of")
 
 
-def relayable(headers: httpx.Headers | Any) -> dict[str, str]:
-    """The headers of a request or response to pass on (not hop-by-hop ones, not those set anew)."""
+def relayable(headers: httpx.Headers) -> dict[str, str]:
+    """The headers of a replica's response to pass on (not hop-by-hop ones, not those set anew)."""
     return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_HEADERS}
+
+
+def request_headers(request: Request, dropped: frozenset[str] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """A client's request headers to pass on to a replica, as the bytes that came (a header value
+    may hold any byte, which httpx would refuse to encode from text), less hop-by-hop ones and
+    `dropped`."""
+    return [(k, v) for k, v in request.headers.raw
+            if k.decode("latin-1").lower() not in _DROPPED_HEADERS | dropped]
 
 
 def routing_text(body: Any) -> str:
@@ -263,9 +273,14 @@ class FrontEnd:
                     on_done: Callable[[], None] | None = None) -> Response:
         """Send the request to `replica` and relay its answer. `counted`: a generation request (it
         counts in the replica's load); `on_done` runs once the relay is over, however it ends."""
-        upstream_request = self.client.build_request(request.method, replica.url + request.url.path,
-                                                     params=request.query_params,
-                                                     headers=relayable(request.headers), content=body)
+        # (the path as the client sent it, percent-escapes kept: the decoded one may hold bytes no URL can)
+        path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+        try:
+            upstream_request = self.client.build_request(request.method, replica.url + path,
+                                                         params=request.query_params,
+                                                         headers=request_headers(request), content=body)
+        except httpx.InvalidURL as e:
+            raise ErrorBody(400, f"the request's URL cannot be relayed: {e}") from None
         replica.in_flight += counted
 
         def done() -> None:
@@ -274,11 +289,17 @@ class FrontEnd:
                 on_done()
 
         try:
-            upstream = await self.client.send(upstream_request, stream=True)
+            # A replica answers a request that is not streamed only when it is done: a client that
+            # goes away meanwhile closes the upstream connection, so the replica aborts it too.
+            sent = await serving.unless_disconnected(request, self.client.send(upstream_request, stream=True))
+            if sent is None:
+                done()
+                return Response(status_code=499)
+            upstream = sent.result()
         except httpx.HTTPError as e:
             done()
             raise _no_answer(replica, e) from None
-        except BaseException:   # (cancelled: the client went away)
+        except BaseException:   # (this handler cancelled)
             done()
             raise
         return _Relayed(upstream, replica, done)
@@ -305,12 +326,18 @@ class FrontEnd:
         body.pop("kv_transfer_params", None)   # (only the front end says where KV comes from)
         prefill, decode = self._one("prefill"), self._one("decode")
         first = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
-        first.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+        first.update(stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         self.routed.labels(str(prefill.index), "prefill").inc()
         prefill.in_flight += 1
+        # json.dumps writes what Python's parser accepted and the replicas' strict one does not (NaN,
+        # a lone surrogate) as JSON text again, for the prefill replica to refuse with a 400.
+        headers = [*request_headers(request, frozenset({"content-type"})), (b"content-type", b"application/json")]
         try:
-            answer = await self.client.post(prefill.url + request.url.path, json=first,
-                                            headers=relayable(request.headers))
+            sent = await serving.unless_disconnected(request, self.client.post(
+                prefill.url + request.url.path, content=json.dumps(first).encode(), headers=headers))
+            if sent is None:
+                return Response(status_code=499)
+            answer = sent.result()
         except httpx.HTTPError as e:
             raise _no_answer(prefill, e) from None
         finally:

@@ -20,8 +20,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +45,7 @@ _RETRY_AFTER_S = 1
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -462,6 +463,23 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> asyncio.Future[T] | None:
+    """Run `work` (after the request's body was read) until it is done, its future returned (its
+    result or its exception); None if the client went away first: `work` is then cancelled (and
+    awaited), which for an engine request aborts it and for a relayed one closes the upstream
+    connection (the replica then aborts it)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():   # the client went away (or this handler was cancelled)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task
+
+
 async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Request) -> Response:
     """Submit the prepared request and answer it, streaming or not. The client going away aborts it."""
     request_id = f"{'chatcmpl' if prepared.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -503,16 +521,8 @@ async def run(engine: AsyncEngine, prepared: Prepared, model: str, request: Requ
             await merged.aclose()
         return finals
 
-    work = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():   # the client went away (or this handler was cancelled): abort
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
+    work = await unless_disconnected(request, collect())
+    if work is None:   # (the request was aborted)
         return Response(status_code=499)
     try:
         finals = work.result()

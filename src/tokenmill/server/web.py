@@ -26,7 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import FileResponse, StreamingResponse
 from starlette.staticfiles import StaticFiles
 
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import SamplingParamsError, TokenmillError
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.async_engine import AsyncEngine, QueueFullError, RequestStream
 from tokenmill.server.config import ServerConfig
@@ -56,7 +56,10 @@ class Bursts:
         rng = random.Random()
         vocab = engine.inputs.vocab_size
         shared = [rng.randrange(vocab) for _ in range(round(body.shared_prefix * body.prompt_tokens))]
-        params = SamplingParams(max_tokens=body.output_tokens, temperature=body.temperature, ignore_eos=True)
+        try:
+            params = SamplingParams(max_tokens=body.output_tokens, temperature=body.temperature, ignore_eos=True)
+        except SamplingParamsError as e:   # (a temperature past the sampler's bound)
+            raise ErrorBody(400, str(e), param=e.field) from None
         streams: list[RequestStream] = []
         rejected = 0
         for i in range(body.requests):

@@ -243,6 +243,19 @@ def test_refusals(engines):
     check_export(SamplingParams(), True, 3)
 
 
+def test_an_export_checks_max_tokens_then_ends_after_one_token(engines, kv_dir):
+    """The consumer will generate max_tokens: the producer refuses a prompt too long for them before
+    computing it, and stops after the first token otherwise (the consumer samples every token)."""
+    producer = engines[0]
+    export = {"do_remote_decode": True}
+    out = producer.generate(_ids(20, 1), SamplingParams(max_tokens=100, ignore_eos=True, kv_transfer_params=export),
+                            use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.kv_transfer_params["remote_kv"]
+    with pytest.raises(TokenmillError, match=r"max_tokens: prompt \(200 tokens\) \+ max_tokens \(100\) exceeds"):
+        producer.generate(_ids(200, 2), SamplingParams(max_tokens=100, kv_transfer_params=export), use_tqdm=False)
+    (kv_dir / out.kv_transfer_params["remote_kv"]).unlink()
+
+
 def test_uncollected_exports_expire(engines, monkeypatch):
     producer = engines[0]
     params = SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -283,18 +296,23 @@ def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
         # a bad request is refused once, with the prefill replica's 400
         bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "x", "temperature": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
-        # ... or by the decode replica alone (the prefill leg leaves min_tokens out): its export is deleted
+        # ... a prompt too long for its max_tokens too, before it is prefilled (the prefill leg keeps max_tokens)
+        bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "word " * 400,
+                                                            "max_tokens": 300})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded", bad.text
+        # ... or by the decode replica alone (the prefill leg leaves best_of out): its export is deleted
         bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "a prompt to export",
-                                                            "max_tokens": 2, "min_tokens": 5})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+                                                            "max_tokens": 2, "best_of": 2})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
         deadline = time.monotonic() + 10   # (deleted once the relay is over, just after the answer went out)
         while set(SHARED.glob("tokenmill-kv-*")) - before and time.monotonic() < deadline:
             time.sleep(0.1)
         assert set(SHARED.glob("tokenmill-kv-*")) <= before   # while both servers run (not by a shutdown)
         metrics = labelled(pd.base)
         # one export per request but the one with several prompts (the decode replica computed those) and the
-        # one the prefill replica refused
+        # ones the prefill replica refused
         assert metrics[("tokenmill_kv_transfer_exports_total,role=kv_producer", "0")] == 6
+        assert metrics[("tokenmill_prompt_tokens_total", "0")] < 300   # (the refused long prompt never ran)
         assert metrics[("tokenmill_kv_transfer_loaded_tokens_total,role=kv_consumer", "1")] > 60
         # both sides gave every block back
         assert metrics[("tokenmill_kv_blocks_used", "0")] == metrics[("tokenmill_kv_blocks_used", "1")] == 0

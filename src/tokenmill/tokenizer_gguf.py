@@ -341,7 +341,8 @@ def _read_vocab(metadata: Mapping[str, Any], path: Path) -> _Vocab:
             raise CheckpointError(f"{path}: {key} has {len(values)} entries for {n} tokens")
     # llama.cpp renames empty tokens, and treats a type it does not know as "undefined" (normal here).
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    kinds = [Kind(k) if k in Kind._value2member_map_ else Kind.NORMAL for k in kinds_raw[:n]]
+    by_value = {k.value: k for k in Kind}   # (types llama.cpp does not know: normal)
+    kinds = [by_value.get(k, Kind.NORMAL) for k in kinds_raw[:n]]
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if ids.setdefault(t, i) != i:

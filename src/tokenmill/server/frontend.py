@@ -53,6 +53,7 @@ from tokenmill.server.app import (
     InternalErrorMiddleware,
     add_error_handlers,
     draining_server,
+    echoed,
     listening_socket,
     print_ready,
     read_body,
@@ -280,7 +281,7 @@ class FrontEnd:
                                                          params=request.query_params,
                                                          headers=request_headers(request), content=body)
         except httpx.InvalidURL as e:
-            raise ErrorBody(400, f"the request's URL cannot be relayed: {e}") from None
+            raise ErrorBody(400, f"the request's URL cannot be relayed: {echoed(str(e))}") from None
         replica.in_flight += counted
 
         def done() -> None:

@@ -5,6 +5,7 @@ no process behind. The router's policy and the metrics' aggregation are also tes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -99,6 +100,56 @@ def test_aggregated_metrics_label_replicas_and_sum():
     assert samples[("tokenmill_num_requests_running", "all")] == 3
     assert samples[("tokenmill_prefix_cache_hit_rate", "1")] == pytest.approx(0.6)
     assert samples[("tokenmill_prefix_cache_hit_rate", "all")] == pytest.approx(40 / 150)   # not 0.1 + 0.6
+
+
+def test_a_request_a_replica_refused_to_connect_goes_to_another():
+    """Between a replica's death and the supervisor noticing (its next poll), the router may still
+    pick it: a refused connection means the request never started, so it goes to another replica."""
+    from starlette.requests import Request
+
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.frontend import FrontEnd
+    from tokenmill.server.replicas import Replica
+
+    config = ServerConfig(model="m.gguf", served_model_name="m")
+    replicas = [Replica(i, config, "both", 1.0, "warning") for i in range(2)]
+    for r in replicas:
+        r.up = True
+    front = FrontEnd(config, replicas, lambda: None, lambda message: None)
+    reached = []
+
+    def transport(request: httpx.Request) -> httpx.Response:
+        if request.url.port == replicas[0].port:
+            raise httpx.ConnectError("connection refused", request=request)
+        reached.append((request.url.port, request.url.path, request.content))
+        return httpx.Response(200, json={"ok": True})
+
+    async def call(path: str) -> int:
+        body = b'{"prompt": "hi"}'
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await asyncio.Event().wait()   # (the client stays)
+
+        scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")]}
+        front.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+        replicas[0].in_flight = -1   # (the least loaded: the router's choice, and the first up)
+        request = Request(scope, receive)
+        response = await (front.generate(request) if path == "/v1/completions" else
+                          front.relay(front.first_up(), request, body, counted=False, retry=True))
+        await response.upstream.aclose()
+        await front.client.aclose()
+        return response.status_code
+
+    assert asyncio.run(call("/v1/completions")) == 200
+    assert asyncio.run(call("/tokenize")) == 200
+    assert reached == [(replicas[1].port, "/v1/completions", b'{"prompt": "hi"}'),
+                       (replicas[1].port, "/tokenize", b'{"prompt": "hi"}')]
+    # the refused attempt gave its load back; the generation relay (never run here) still counts
+    assert replicas[0].in_flight == -1 and replicas[1].in_flight == 1
 
 
 def test_replica_roles_and_refusals():

@@ -270,10 +270,17 @@ class FrontEnd:
                             code="unavailable", headers={"Retry-After": "1"})
         return min(candidates, key=key)
 
+    def _other_than(self, replica: Replica, role: str = "both") -> Replica | None:
+        """A replica in rotation other than `replica` (the least loaded), if any."""
+        others = [r for r in self.in_rotation(role) if r is not replica]
+        return min(others, key=lambda r: (r.in_flight, r.index)) if others else None
+
     async def relay(self, replica: Replica, request: Request, body: bytes, counted: bool = True,
-                    on_done: Callable[[], None] | None = None) -> Response:
+                    on_done: Callable[[], None] | None = None, retry: bool = False) -> Response:
         """Send the request to `replica` and relay its answer. `counted`: a generation request (it
-        counts in the replica's load); `on_done` runs once the relay is over, however it ends."""
+        counts in the replica's load); `on_done` runs once the relay is over, however it ends.
+        `retry`: a replica that refuses the connection (it died, and supervision has not noticed
+        yet) never saw the request, which then goes once to another replica of its role."""
         # (the path as the client sent it, percent-escapes kept: the decoded one may hold bytes no URL can)
         path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
         try:
@@ -299,7 +306,11 @@ class FrontEnd:
             upstream = sent.result()
         except httpx.HTTPError as e:
             done()
-            raise _no_answer(replica, e) from None
+            other = self._other_than(replica, replica.role) if retry and isinstance(e, httpx.ConnectError) else None
+            if other is None:
+                raise _no_answer(replica, e) from None
+            logger.warning("%s refused the connection (%s); sending the request to %s", replica.name, e, other.name)
+            return await self.relay(other, request, body, counted, on_done)
         except BaseException:   # (this handler cancelled)
             done()
             raise
@@ -320,7 +331,7 @@ class FrontEnd:
             self._one()   # (raises the 503)
         choice = self.router.choose(routing_text(parsed), {r.index: r.in_flight for r in candidates})
         self.routed.labels(str(choice.replica), choice.reason).inc()
-        return await self.relay(self.replicas[choice.replica], request, body)
+        return await self.relay(self.replicas[choice.replica], request, body, retry=True)
 
     async def _disaggregated(self, request: Request, body: dict[str, Any]) -> Response:
         """Prefill on the prefill replica (its KV exported), then the request on the decode replica."""
@@ -412,7 +423,7 @@ def create_frontend(front: FrontEnd) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST", "HEAD", "DELETE", "PUT", "PATCH"])
     async def anything_else(request: Request, path: str) -> Response:
         body = await read_body(request, config.max_body_bytes, config.request_read_timeout)
-        return await front.relay(front.first_up(), request, body, counted=False)
+        return await front.relay(front.first_up(), request, body, counted=False, retry=True)
 
     return app
 

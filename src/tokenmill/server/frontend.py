@@ -20,8 +20,8 @@ front end deletes the export if the decode replica did not take it. Long prompts
 step with the decode replica's running streams.
 
 A replica that dies is taken out of rotation at once (its requests in flight fail: a stream gets an
-error event, a request still waiting for its answer a 502) and restarted; the other replicas'
-requests never notice. A replica that dies before it was ever up fails the whole server (its log
+error event, a request still waiting for its answer a 502; one sent to it before supervision
+noticed goes to another replica) and restarted; the other replicas' requests never notice. A replica that dies before it was ever up fails the whole server (its log
 says why: a bad flag, a model that does not load).
 """
 

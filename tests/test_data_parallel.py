@@ -362,6 +362,10 @@ def test_what_the_front_end_cannot_pass_on_is_a_4xx_not_a_500(servers):
     r = httpx.post(dp.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60,
                    headers={"User-Agent": "b\xe9ta".encode("latin-1"), "X-Raw": b"\xff\xfe"})
     assert r.status_code == 200, r.text
+    # a head the front end takes whole but the replica's parser would not, with the relay's own headers added
+    big = {f"X-Big-{i}": "b" * 1024 for i in range(15)}   # ~15.6 KB: under 16 KB, over the relay limit
+    r = httpx.post(dp.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=big, timeout=60)
+    assert r.status_code == 431 and "too large to relay" in r.json()["error"]["message"], r.text
     for path in ("/%00", "/v1/models/a%00b"):
         r = httpx.get(dp.base + path, timeout=60)
         assert r.status_code in (400, 404) and r.json()["error"]["message"], (path, r.text)

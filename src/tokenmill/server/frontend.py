@@ -21,8 +21,9 @@ step with the decode replica's running streams.
 
 A replica that dies is taken out of rotation at once (its requests in flight fail: a stream gets an
 error event, a request still waiting for its answer a 502; one sent to it before supervision
-noticed goes to another replica) and restarted; the other replicas' requests never notice. A replica that dies before it was ever up fails the whole server (its log
-says why: a bad flag, a model that does not load).
+noticed goes to another replica) and restarted; the other replicas' requests never notice. A
+replica that dies before it was ever up fails the whole server (its log says why: a bad flag, a
+model that does not load).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ from tokenmill.server.router import CacheAwareRouter
 logger = logging.getLogger(__name__)
 
 SUPERVISE_INTERVAL_S = 0.2
+# A replica's HTTP parser (h11, as the front end's) refuses a request head past 16 KB; the relay adds
+# headers of its own, so a head the front end took whole could fail there, as a bare connection close.
+RELAYED_HEAD_LIMIT = 16 * 1024 - 1024
 HEALTH_TIMEOUT_S = 2.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Not relayed either way: hop-by-hop headers, and those the relaying HTTP client sets itself.
@@ -283,10 +287,14 @@ class FrontEnd:
         yet) never saw the request, which then goes once to another replica of its role."""
         # (the path as the client sent it, percent-escapes kept: the decoded one may hold bytes no URL can)
         path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+        headers = request_headers(request)
+        head = len(path) + len(request.scope.get("query_string", b"")) + sum(len(k) + len(v) + 4 for k, v in headers)
+        if head > RELAYED_HEAD_LIMIT:
+            raise ErrorBody(431, f"the request's headers are too large to relay ({head} bytes with the path; at most "
+                            f"{RELAYED_HEAD_LIMIT})")
         try:
             upstream_request = self.client.build_request(request.method, replica.url + path,
-                                                         params=request.query_params,
-                                                         headers=request_headers(request), content=body)
+                                                         params=request.query_params, headers=headers, content=body)
         except httpx.InvalidURL as e:
             raise ErrorBody(400, f"the request's URL cannot be relayed: {echoed(str(e))}") from None
         replica.in_flight += counted

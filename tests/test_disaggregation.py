@@ -300,6 +300,10 @@ def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
         bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "word " * 400,
                                                             "max_tokens": 300})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded", bad.text
+        # ... a head too large to relay too, before anything is exported
+        bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2},
+                         headers={f"X-Big-{i}": "b" * 1024 for i in range(20)})
+        assert bad.status_code in (400, 431), bad.text
         # ... or by the decode replica alone (the prefill leg leaves best_of out): its export is deleted
         bad = httpx.post(pd.base + "/v1/completions", json={"model": model, "prompt": "a prompt to export",
                                                             "max_tokens": 2, "best_of": 2})

@@ -297,11 +297,13 @@ def test_worker_command_refuses_a_missing_or_wrong_rank(env, message):
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
-def test_a_worker_whose_engine_never_comes_gives_up_after_the_join_timeout():
+def test_a_worker_whose_engine_never_comes_gives_up_after_the_join_timeout(monkeypatch):
     # (a worker started by hand with a wrong MASTER_ADDR once waited a year; its collectives still may)
+    from tokenmill.engine import worker_process
+    monkeypatch.setattr(worker_process, "COLLECTIVE_TIMEOUT_S", 2)
     start = time.monotonic()
     with pytest.raises(ParallelError, match="rank 1 could not join the group"):
-        parallel.connect("127.0.0.1", free_port(), 1, 2, workers.WORKER_TIMEOUT_S, join_timeout_s=2)
+        worker_process.worker_main(1, workers.Rendezvous("127.0.0.1", free_port(), 2))
     assert time.monotonic() - start < 30
 
 

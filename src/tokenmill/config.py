@@ -538,6 +538,8 @@ def _config_dict(where: str, value: Mapping[str, Any] | str, cls: type) -> dict[
     return dict(value)
 
 
+MAX_PORT = 65535   # the largest TCP port (--port, MASTER_PORT)
+
 MAX_THREADS = 512
 """The most threads a process may ask for (ggml's GGML_MAX_N_THREADS too): far past any machine's
 cores, and short of where OpenMP's runtime fails to start its threads (it crashes the process)."""

@@ -72,16 +72,17 @@ def total_memory(device: torch.device) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_kv_pool_size(config: EngineConfig, num_blocks: int, block_bytes: int, device: torch.device) -> None:
-    """Refuse a KV pool (or a budget for one) that could never be resident: the pool is reserved
-    untouched, so it would fail only once requests filled it, killing the process."""
+def check_kv_pool_size(config: EngineConfig, num_blocks: int, rank_block_bytes: int, device: torch.device) -> None:
+    """Refuse a KV pool (or a budget for one) that could never be resident (rank_block_bytes: this
+    process's bytes of a block): the pool is reserved untouched, so it would fail only once requests
+    filled it, killing the process."""
     limit = total_memory(device)
-    if config.kv_cache_memory is not None and config.kv_cache_memory > limit:
+    if config.num_kv_blocks is None and config.kv_cache_memory is not None and config.kv_cache_memory > limit:
         raise TokenmillError(f"kv_cache_memory: {config.kv_cache_memory / 2**30:.1f} GiB is more than the "
                              f"{device.type} memory there is ({limit / 2**30:.1f} GiB)")
-    if num_blocks * block_bytes > limit:
-        raise TokenmillError(f"num_kv_blocks: {num_blocks} blocks of {block_bytes} bytes need "
-                             f"{num_blocks * block_bytes / 2**30:.1f} GiB, more than the {device.type} memory "
+    if num_blocks * rank_block_bytes > limit:
+        raise TokenmillError(f"num_kv_blocks: {num_blocks} blocks of {rank_block_bytes} bytes need "
+                             f"{num_blocks * rank_block_bytes / 2**30:.1f} GiB, more than the {device.type} memory "
                              f"there is ({limit / 2**30:.1f} GiB)")
 
 
@@ -165,7 +166,7 @@ class LLMEngine:
             useful = config.max_num_seqs * layout.max_blocks_held(context, config.block_size, step)
             budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
             num_blocks = max(1, min(budget // block_bytes, useful))
-        check_kv_pool_size(config, num_blocks, block_bytes, self.device)
+        check_kv_pool_size(config, num_blocks, block_bytes * kv_heads[0] // sum(kv_heads), self.device)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise TokenmillError(f"max_model_len ({config.max_model_len}) exceeds the model's context length "
                                  f"({mc.max_position_embeddings})")

@@ -54,6 +54,7 @@ import torch
 
 from tokenmill import parallel
 from tokenmill.cache import SHARED_MEMORY_DIR
+from tokenmill.config import MAX_PORT
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,8 @@ class Rendezvous:
             port, size, rank = int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), int(env["RANK"])
         except ValueError as e:
             raise TokenmillError(f"MASTER_PORT, WORLD_SIZE and RANK must be integers: {e}") from e
-        if not 1 <= port <= 65535:
-            raise TokenmillError(f"MASTER_PORT must be a TCP port (1..65535), got {port}")
+        if not 1 <= port <= MAX_PORT:
+            raise TokenmillError(f"MASTER_PORT must be a TCP port (1..{MAX_PORT}), got {port}")
         if not (0 <= rank < size):
             raise TokenmillError(f"RANK {rank} is not one of WORLD_SIZE {size}'s ranks 0..{size - 1}")
         return Rendezvous(env["MASTER_ADDR"], port, size), rank

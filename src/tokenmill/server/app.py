@@ -66,6 +66,12 @@ logger = logging.getLogger(__name__)
 # that cancels only handlers still running after the drain ended their requests (it takes effect
 # between engine steps, so at most one step later).
 DRAIN_BACKSTOP_S = 5.0
+HEAD_LIMIT = 16 * 1024    # a request line and headers, while incomplete (h11's default)
+# The replicas behind a front end take heads of up to twice that, so a head the front end relays
+# (HEAD_LIMIT at most, checked there: h11 holds a head to its limit only while it is incomplete, so
+# one that came whole in one read can be longer) parses there with the headers the relay adds.
+REPLICA_HEAD_LIMIT = 2 * HEAD_LIMIT
+LISTEN_BACKLOG = 2048     # (uvicorn's default)
 
 Loaded = tuple[LLMEngine, InputProcessor]   # what load_engine returns
 
@@ -286,6 +292,8 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
 
     @v1.get("/models/{model:path}")   # (a path: a hub id such as org/name holds a slash)
     async def retrieve_model(model: str) -> dict[str, Any]:
+        if not model:   # ("/v1/models/": the trailing-slash 404)
+            raise StarletteHTTPException(404)
         state.check_model(model)
         return model_card()
 
@@ -475,56 +483,65 @@ def print_ready(config: ServerConfig, host: str, port: int, detail: str = "") ->
 
 
 def draining_server(app: ASGIApp, host: str, port: int, log_level: str, read_timeout: float, shutdown_timeout: float,
-                    on_drain_timeout: Callable[[], None], on_shutdown: Callable[[], None]) -> DrainingServer:
-    """uvicorn for `app`, with the header/body read timeout and the draining shutdown."""
+                    on_drain_timeout: Callable[[], None], on_shutdown: Callable[[], None],
+                    head_limit: int = HEAD_LIMIT) -> DrainingServer:
+    """uvicorn for `app`, with the header/body read timeout and the draining shutdown; `head_limit`:
+    the bytes of a request line and headers h11 takes while they are incomplete."""
     return DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        http=HeaderTimeoutH11Protocol.with_timeout(read_timeout),
-                       timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S),
+                       timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S,
+                       h11_max_incomplete_event_size=head_limit),
         shutdown_timeout, on_drain_timeout, on_shutdown)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, for uvicorn to serve on. Bound before anything loads, so that a
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets listening on host:port (every address the name has, as asyncio's create_server binds
+    them; "" is every interface), for uvicorn to serve on. Made before anything loads, so that a
     port in use or an address not of this machine is one error naming the flag, at once (uvicorn
     binds only after the app has started, and then exits with status 3)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise TokenmillError(f"--host: {host!r} is not an address ({e.strerror})") from e
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (as uvicorn: a restart can reuse the port)
-    try:
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        flag = "--host" if e.errno == errno.EADDRNOTAVAIL else "--port"
-        raise TokenmillError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from e
-    return sock
+    sockets: list[socket.socket] = []
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        sock = socket.socket(family, kind, proto)
+        sockets.append(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (as uvicorn: a restart can reuse the port)
+        if family == socket.AF_INET6:   # (as asyncio: an IPv4 address of the name gets its own socket)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)   # (now: a port taken by a socket bound but not listening yet fails here)
+        except OSError as e:
+            for s in sockets:
+                s.close()
+            flag = "--host" if e.errno == errno.EADDRNOTAVAIL else "--port"
+            raise TokenmillError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from e
+    return sockets
 
 
-def run_until_signal(server: uvicorn.Server, listener: socket.socket) -> None:
-    """Serve on `listener` (listening_socket's) until the server exits."""
+def run_until_signal(server: uvicorn.Server, listeners: list[socket.socket]) -> None:
+    """Serve on `listeners` (listening_sockets') until the server exits; they are closed then."""
     # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it to the previous handler
     # once done; a no-op handler there makes that a clean exit instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        with listener:
-            server.run(sockets=[listener])
+        server.run(sockets=listeners)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for sock in listeners:
+            sock.close()
 
 
 def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
-               log_level: str = "info", announce: bool = True) -> int:
-    """Serve until SIGINT / SIGTERM (`announce`: print where, with a curl example, once ready). On
-    SIGTERM: stop accepting, let requests in flight finish for up to `shutdown_timeout` seconds, then
-    end the rest with an error (a stream gets an error event and `data: [DONE]`, a non-streaming
-    request a 500), stop the engine, return 0. If the engine
-    dies (a tensor-parallel worker is gone), its requests fail and the server shuts down: return 1."""
-    listener = listening_socket(host, port)
-
+               log_level: str = "info", announce: bool = True, head_limit: int = HEAD_LIMIT) -> int:
+    """Serve until SIGINT / SIGTERM (`announce`: print where, with a curl example, once ready;
+    `head_limit`: draining_server's). On SIGTERM: stop accepting, let requests in flight finish for
+    up to `shutdown_timeout` seconds, then end the rest with an error (a stream gets an error event
+    and `data: [DONE]`, a non-streaming request a 500), stop the engine, return 0. If the engine dies
+    (a tensor-parallel worker is gone), its requests fail and the server shuts down: return 1."""
     def on_ready() -> None:
         print_ready(config, host, port)
 
@@ -551,8 +568,8 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
 
     app = create_app(config, on_ready=on_ready if announce else None, on_load_error=on_load_error, on_fatal=on_fatal)
     server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout, drain,
-                             end_feeds)
-    run_until_signal(server, listener)
+                             end_feeds, head_limit)
+    run_until_signal(server, listening_sockets(host, port))   # (the model loads once it serves)
     error = app.state.tokenmill.load_error
     if isinstance(error, TokenmillError):
         raise error

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import EngineConfig, cores_per_process
+from tokenmill.config import MAX_PORT, EngineConfig, cores_per_process
 from tokenmill.errors import TokenmillError
 from tokenmill.server.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -18,7 +18,6 @@ from tokenmill.server.config import (
 )
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
-MAX_PORT = 65535
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -51,11 +51,12 @@ from tokenmill.config import KVTransferConfig
 from tokenmill.engine.kv_transfer import transfer_path
 from tokenmill.server import serving
 from tokenmill.server.app import (
+    HEAD_LIMIT,
     InternalErrorMiddleware,
     add_error_handlers,
     draining_server,
     echoed,
-    listening_socket,
+    listening_sockets,
     print_ready,
     read_body,
     run_until_signal,
@@ -68,9 +69,6 @@ from tokenmill.server.router import CacheAwareRouter
 logger = logging.getLogger(__name__)
 
 SUPERVISE_INTERVAL_S = 0.2
-# A replica's HTTP parser (h11, as the front end's) refuses a request head past 16 KB; the relay adds
-# headers of its own, so a head the front end took whole could fail there, as a bare connection close.
-RELAYED_HEAD_LIMIT = 16 * 1024 - 1024
 HEALTH_TIMEOUT_S = 2.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Not relayed either way: hop-by-hop headers, and those the relaying HTTP client sets itself.
@@ -90,9 +88,15 @@ def relayable(headers: httpx.Headers) -> dict[str, str]:
 def request_headers(request: Request, dropped: frozenset[str] = frozenset()) -> list[tuple[bytes, bytes]]:
     """A client's request headers to pass on to a replica, as the bytes that came (a header value
     may hold any byte, which httpx would refuse to encode from text), less hop-by-hop ones and
-    `dropped`."""
-    return [(k, v) for k, v in request.headers.raw
-            if k.decode("latin-1").lower() not in _DROPPED_HEADERS | dropped]
+    `dropped`; a 431 if the head is too large for the replica (REPLICA_HEAD_LIMIT)."""
+    skip = _DROPPED_HEADERS | dropped
+    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in skip]
+    head = len(request.scope.get("raw_path", b"")) + len(request.scope.get("query_string", b"")) + sum(
+        len(k) + len(v) + 4 for k, v in headers)
+    if head > HEAD_LIMIT:
+        raise ErrorBody(431, f"the request's headers are too large to relay ({head} bytes with the path; at most "
+                        f"{HEAD_LIMIT})")
+    return headers
 
 
 def routing_text(body: Any) -> str:
@@ -267,17 +271,13 @@ class FrontEnd:
         the same one while it stays up (the decode replica when disaggregated)."""
         return self._one("decode" if self.disaggregated else "both", lambda r: r.index)
 
-    def _one(self, role: str = "both", key: Callable[[Replica], Any] = lambda r: (r.in_flight, r.index)) -> Replica:
-        candidates = self.in_rotation(role)
+    def _one(self, role: str = "both", key: Callable[[Replica], Any] = lambda r: (r.in_flight, r.index),
+             other_than: Replica | None = None) -> Replica:
+        candidates = [r for r in self.in_rotation(role) if r is not other_than]
         if not candidates:
             raise ErrorBody(503, "no replica is ready (starting or restarting); retry later", type_="server_error",
                             code="unavailable", headers={"Retry-After": "1"})
         return min(candidates, key=key)
-
-    def _other_than(self, replica: Replica, role: str = "both") -> Replica | None:
-        """A replica in rotation other than `replica` (the least loaded), if any."""
-        others = [r for r in self.in_rotation(role) if r is not replica]
-        return min(others, key=lambda r: (r.in_flight, r.index)) if others else None
 
     async def relay(self, replica: Replica, request: Request, body: bytes, counted: bool = True,
                     on_done: Callable[[], None] | None = None, retry: bool = False) -> Response:
@@ -288,10 +288,6 @@ class FrontEnd:
         # (the path as the client sent it, percent-escapes kept: the decoded one may hold bytes no URL can)
         path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
         headers = request_headers(request)
-        head = len(path) + len(request.scope.get("query_string", b"")) + sum(len(k) + len(v) + 4 for k, v in headers)
-        if head > RELAYED_HEAD_LIMIT:
-            raise ErrorBody(431, f"the request's headers are too large to relay ({head} bytes with the path; at most "
-                            f"{RELAYED_HEAD_LIMIT})")
         try:
             upstream_request = self.client.build_request(request.method, replica.url + path,
                                                          params=request.query_params, headers=headers, content=body)
@@ -313,12 +309,15 @@ class FrontEnd:
                 return Response(status_code=499)
             upstream = sent.result()
         except httpx.HTTPError as e:
+            others = [r for r in self.in_rotation(replica.role) if r is not replica]
+            if retry and isinstance(e, httpx.ConnectError) and others:
+                replica.in_flight -= counted   # (on_done is the retry's to run)
+                other = self._one(replica.role, other_than=replica)
+                logger.warning("%s refused the connection (%s); sending the request to %s", replica.name, e,
+                               other.name)
+                return await self.relay(other, request, body, counted, on_done)
             done()
-            other = self._other_than(replica, replica.role) if retry and isinstance(e, httpx.ConnectError) else None
-            if other is None:
-                raise _no_answer(replica, e) from None
-            logger.warning("%s refused the connection (%s); sending the request to %s", replica.name, e, other.name)
-            return await self.relay(other, request, body, counted, on_done)
+            raise _no_answer(replica, e) from None
         except BaseException:   # (this handler cancelled)
             done()
             raise
@@ -345,13 +344,14 @@ class FrontEnd:
         """Prefill on the prefill replica (its KV exported), then the request on the decode replica."""
         body.pop("kv_transfer_params", None)   # (only the front end says where KV comes from)
         prefill, decode = self._one("prefill"), self._one("decode")
+        headers = [*request_headers(request, frozenset({"content-type"})), (b"content-type", b"application/json")]
         first = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
         first.update(stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         self.routed.labels(str(prefill.index), "prefill").inc()
         prefill.in_flight += 1
         # json.dumps writes what Python's parser accepted and the replicas' strict one does not (NaN,
-        # a lone surrogate) as JSON text again, for the prefill replica to refuse with a 400.
-        headers = [*request_headers(request, frozenset({"content-type"})), (b"content-type", b"application/json")]
+        # a lone surrogate) as JSON text again, for the prefill replica to refuse with a 400. (A
+        # client gone just as the prefill replica answers leaves its export to expire.)
         try:
             sent = await serving.unless_disconnected(request, self.client.post(
                 prefill.url + request.url.path, content=json.dumps(first).encode(), headers=headers))
@@ -452,7 +452,6 @@ def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, s
     "decode": disaggregated) until SIGINT / SIGTERM, which drains the replicas. Returns 1 if a
     replica never came up."""
     failure: list[str] = []
-    listener = listening_socket(host, port)
 
     def on_ready() -> None:
         what = (f"{len(roles)} replicas" if not front.disaggregated else "a prefill and a decode replica")
@@ -471,5 +470,5 @@ def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, s
     # handlers end as their relays do.
     server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout,
                              lambda: None, front.stop_replicas)
-    run_until_signal(server, listener)
+    run_until_signal(server, listening_sockets(host, port))   # (the replicas start once it serves)
     return 1 if failure or not server.started else 0

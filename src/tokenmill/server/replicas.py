@@ -101,7 +101,7 @@ class Replica:
 
 def replica_main() -> None:
     """A replica's process: its spec from stdin's first line, then `tokenmill serve` on loopback."""
-    from tokenmill.server.app import run_server
+    from tokenmill.server.app import REPLICA_HEAD_LIMIT, run_server
 
     spec = json.loads(sys.stdin.buffer.readline())
     logging.basicConfig(level=logging.WARNING,
@@ -111,7 +111,8 @@ def replica_main() -> None:
     on_stdin_closed(lambda: os.kill(os.getpid(), signal.SIGTERM))
     config = ServerConfig(**spec["config"])
     try:
-        code = run_server(config, "127.0.0.1", spec["port"], spec["shutdown_timeout"], "warning", announce=False)
+        code = run_server(config, "127.0.0.1", spec["port"], spec["shutdown_timeout"], "warning", announce=False,
+                          head_limit=REPLICA_HEAD_LIMIT)
     except TokenmillError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         code = 2

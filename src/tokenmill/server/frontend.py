@@ -88,7 +88,8 @@ def relayable(headers: httpx.Headers) -> dict[str, str]:
 def request_headers(request: Request, dropped: frozenset[str] = frozenset()) -> list[tuple[bytes, bytes]]:
     """A client's request headers to pass on to a replica, as the bytes that came (a header value
     may hold any byte, which httpx would refuse to encode from text), less hop-by-hop ones and
-    `dropped`; a 431 if the head is too large for the replica (REPLICA_HEAD_LIMIT)."""
+    `dropped`; a 431 if the head is over HEAD_LIMIT (the replicas take twice that: app.REPLICA_HEAD_LIMIT,
+    room for the headers the relay adds)."""
     skip = _DROPPED_HEADERS | dropped
     headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in skip]
     head = len(request.scope.get("raw_path", b"")) + len(request.scope.get("query_string", b"")) + sum(

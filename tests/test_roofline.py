@@ -66,3 +66,24 @@ def test_roofline_of_a_quantized_model_uses_its_kernel_and_cache(tiny_gguf_model
     assert report["kv_bytes_per_token"] == kv_bytes_per_token(engine.model_config, torch.bfloat16)
     assert report["machine"]["matmul"] == "int4 quantized kernel (float32 activations)"
     assert "int4 quantized kernel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_dense_bf16_peak_is_measured_as_the_model_runs_it(fast_bf16, monkeypatch):
+    """A bf16 model's many-row products run in float32 on a CPU without bf16 units (Linear.dense):
+    the measured peak is that matmul's, not PyTorch's emulated bf16 one (tens of times slower there,
+    which made every large batch look compute-bound)."""
+    import tokenmill.layers.linear as linear
+    from tokenmill.bench.roofline import measure_machine
+
+    monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: fast_bf16)
+    calls = []
+    def linear_seen(x, w, b=None):
+        calls.append((x.dtype, w.dtype))
+        return x @ w.t()
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear_seen)
+    machine = measure_machine(torch.bfloat16, buffer_bytes=1 << 20, n=256, repeats=1)
+    expected = torch.bfloat16 if fast_bf16 else torch.float32
+    assert set(calls) == {(expected, expected)}
+    assert machine.matmul == ("bfloat16 matmul (torch)" if fast_bf16 else "bfloat16 weights, float32 matmul (torch)")

@@ -62,16 +62,22 @@ def read_bandwidth_gb_s(buffer_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: int = 1 << 30, n: int = 2048,
                     repeats: int = 5) -> Machine:
-    """Read bandwidth, and the matmul peak of torch in `dtype` or, for weights held in `bits` (4 or 8),
-    of the quantized kernel (float-equivalent FLOPs: 2 per weight per row, as the rows count them)."""
+    """Read bandwidth, and the matmul peak of dense `dtype` weights as a model's many-row products run
+    them (`dense_linear`: float32 for bf16 where the CPU has no bf16 units) or, for weights held in
+    `bits` (4 or 8), of the quantized kernel (float-equivalent FLOPs: 2 per weight per row, as the rows count them)."""
     def best(fn) -> float:
         return _best_time(fn, repeats)
 
     read = read_bandwidth_gb_s(buffer_bytes, repeats)
     if bits is None:
+        from tokenmill.layers.linear import dense_linear, dense_matmul_dtype
+
         a = torch.randn(n, n).to(dtype)
-        flops = 2 * n**3 / best(lambda: a @ a) / 1e9
-        return Machine(torch.get_num_threads(), read, flops, f"{str(dtype).removeprefix('torch.')} matmul (torch)")
+        flops = 2 * n**3 / best(lambda: dense_linear(a, a)) / 1e9
+        name = str(dtype).removeprefix("torch.")
+        if dense_matmul_dtype(a) != dtype:
+            name = f"{name} weights, {str(dense_matmul_dtype(a)).removeprefix('torch.')}"
+        return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)")
     from tokenmill.layers.quant import QuantWeight, quantize
 
     weight, x = QuantWeight(quantize(torch.randn(n, n), bits), torch.float32), torch.randn(n, n)

@@ -19,6 +19,30 @@ from tokenmill.layers.op import KernelOp, invalidate_plans
 from tokenmill.layers.quant import QuantWeight
 
 
+def dense_matmul_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype `dense_linear` multiplies `weight`'s many-row products in: float32 for a bf16 CPU
+    weight where the CPU has no bf16 units (PyTorch emulates a bf16 matmul there, several times
+    slower than float32; the products of bf16 values are exact in float32, as in the kernel), else
+    the weight's own."""
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not cpu_has_fast_bf16():
+        return torch.float32
+    return weight.dtype
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: bool = True) -> torch.Tensor:
+    """x W^T (+ b) for a dense weight, in x's dtype: a bf16 CPU weight's few-row products (decode
+    steps) run the C kernel where `kernel` (kernels.bf16_matmul: PyTorch's are far slower there),
+    everything else `F.linear` in `dense_matmul_dtype`."""
+    if kernel and kernels.uses_bf16_matmul(x, weight):
+        y = kernels.bf16_matmul(x, weight)
+        return (y if bias is None else y + bias).to(x.dtype)
+    dtype = dense_matmul_dtype(weight)
+    if dtype != weight.dtype:
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
 class _Weighted(KernelOp):
     """A layer holding a [N, K] weight, dense (`weight`) or quantized (`qweight`), that can also
     serve as an LM head. A quantized weight runs the quantized kernel (int8 activations); backend
@@ -77,17 +101,8 @@ class _Weighted(KernelOp):
         return self.backend == "auto" and (self.cols is None or self.tp.shm is not None)
 
     def dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b) for a dense weight, in x's dtype: a bf16 CPU weight's few-row products (decode
-        steps) run the C kernel on backend "auto" (kernels.bf16_matmul: PyTorch's are far slower
-        there), everything else `F.linear`: in float32 for a bf16 CPU weight where the CPU has no bf16
-        units (PyTorch emulates a bf16 matmul there, several times slower than float32; the products of
-        bf16 values are exact in float32, as in the kernel)."""
-        if self.backend == "auto" and kernels.uses_bf16_matmul(x, weight):
-            y = kernels.bf16_matmul(x, weight)
-            return (y if bias is None else y + bias).to(x.dtype)
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not cpu_has_fast_bf16():
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-        return F.linear(x, weight, bias)
+        """x W^T (+ b) for a dense weight, in x's dtype (`dense_linear`; the C kernel on backend "auto")."""
+        return dense_linear(x, weight, bias, kernel=self.backend == "auto")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 hidden @ W^T for an LM head (no bias): an Embedding's for a tied head."""

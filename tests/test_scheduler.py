@@ -397,6 +397,23 @@ def test_abort_at_any_stage_returns_blocks_at_once(stage):
     assert other.output_token_ids == solo_output(other.prompt_token_ids, 8)
 
 
+def test_abort_among_requests_of_equal_order_removes_exactly_that_one():
+    """n > 1 samples share one arrival time and priority: the scheduler finds a request among its
+    equals by identity (it bisects on the order, then compares identities)."""
+    sim = Sim(num_blocks=32, max_num_seqs=3, max_num_batched_tokens=64)
+    requests = [sim.add(make_request(str(i), [i + 1] * 3, max_tokens=8, arrival=5.0)) for i in range(5)]
+    sim.step()
+    assert sim.scheduler.running == requests[:3] and sim.scheduler.waiting == requests[3:]
+    sim.abort(requests[1])
+    sim.abort(requests[4])
+    assert sim.scheduler.running == [requests[0], requests[2]] and sim.scheduler.waiting == [requests[3]]
+    sim.abort(requests[1])   # twice: nothing else goes
+    assert sim.scheduler.running == [requests[0], requests[2]] and sim.scheduler.waiting == [requests[3]]
+    sim.run()
+    assert [r.output_token_ids for r in (requests[0], requests[2], requests[3])] == \
+        [solo_output(r.prompt_token_ids, 8) for r in (requests[0], requests[2], requests[3])]
+
+
 # ---- property-based --------------------------------------------------------------------------------
 
 

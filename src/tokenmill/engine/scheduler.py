@@ -40,6 +40,19 @@ def _order(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
+def _discard(queue: list[Request], request: Request) -> bool:
+    """Remove `request` from `queue` (sorted by _order) if it is there: found by bisection, then by
+    identity among its equals, so finishing one of n running requests is not a scan of all n."""
+    key = _order(request)
+    i = bisect.bisect_left(queue, key, key=_order)
+    while i < len(queue) and _order(queue[i]) == key:
+        if queue[i] is request:
+            del queue[i]
+            return True
+        i += 1
+    return False
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True):
@@ -127,7 +140,7 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        _discard(self.running, request)
         request.spec_token_ids.clear()
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -138,8 +151,5 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and return its blocks to the pool."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        _discard(self.running, request) or _discard(self.waiting, request)
         self.kv.free(request)

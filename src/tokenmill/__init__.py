@@ -6,12 +6,26 @@
     print(out[0].outputs[0].text)
 """
 
-from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
-from tokenmill.hub import default_model_path
-from tokenmill.llm import LLM
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenmill.sampling import SamplingParams
-from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+import gc
+
+# Importing torch and the engine creates about a million objects (modules, classes, functions) that
+# live as long as the process. The cyclic collector would walk all of them several times on the way
+# (full collections: a tenth of a cold start) and again in every full collection after; so it is
+# paused for the imports, and what exists then is frozen (gc.freeze: out of the collector's reach,
+# still freed when its last reference goes; gc.unfreeze() undoes it).
+_collecting = gc.isenabled()
+gc.disable()
+try:
+    from tokenmill.errors import CheckpointError, TokenmillError, UnsupportedModelError
+    from tokenmill.hub import default_model_path
+    from tokenmill.llm import LLM
+    from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from tokenmill.sampling import SamplingParams
+    from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+finally:
+    gc.freeze()
+    if _collecting:
+        gc.enable()
 
 __all__ = [
     "LLM",

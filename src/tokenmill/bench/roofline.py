@@ -74,9 +74,8 @@ def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: i
 
         a = torch.randn(n, n).to(dtype)
         flops = 2 * n**3 / best(lambda: dense_linear(a, a)) / 1e9
-        name = str(dtype).removeprefix("torch.")
-        if dense_matmul_dtype(a) != dtype:
-            name = f"{name} weights, {str(dense_matmul_dtype(a)).removeprefix('torch.')}"
+        weights, compute = (str(t).removeprefix("torch.") for t in (dtype, dense_matmul_dtype(a)))
+        name = weights if compute == weights else f"{weights} weights, {compute}"
         return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)")
     from tokenmill.layers.quant import QuantWeight, quantize
 

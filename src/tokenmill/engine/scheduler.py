@@ -151,5 +151,6 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and return its blocks to the pool."""
-        _discard(self.running, request) or _discard(self.waiting, request)
+        if not _discard(self.running, request):
+            _discard(self.waiting, request)
         self.kv.free(request)

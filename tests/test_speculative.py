@@ -338,11 +338,15 @@ def test_speculative_config_is_vllms_dict_or_its_json():
                          ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
                          ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                          ({"method": "ngram", "num_speculative_tokens": 10**8}, "at most 128, got 100000000"),
+                         # (every step weighs each match length up to it: 10**11 hung the first request)
+                         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 10**11},
+                          "prompt_lookup_max must be at most 128, got 100000000000"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key(s) 'typo'"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                            "prompt_lookup_max": 2}, "prompt_lookup_min (4) exceeds"),
                          ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
-                         ("{not json", "not a JSON object"), ([1], "expected a dict")]:
+                         ("{not json", "not a JSON object"), ("[" * 20000 + "]" * 20000, "nested too deeply"),
+                         ([1], "expected a dict")]:
         with pytest.raises(TokenmillError, match=message.replace("(", r"\(").replace(")", r"\)")):
             EngineConfig(speculative_config=bad)
 

@@ -431,6 +431,9 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 128
 """The most num_speculative_tokens may ask for: far past where one more row still pays (the
 adaptive draft length stops short of it), and each step weighs every length up to it."""
+MAX_PROMPT_LOOKUP = 128
+"""The longest n-gram prompt_lookup_max may ask for: each step weighs every request's acceptance of
+every match length up to it."""
 
 
 @dataclass(frozen=True)
@@ -462,6 +465,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise TokenmillError(f"{where}.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got "
                                  f"{self.num_speculative_tokens}")
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+            raise TokenmillError(f"{where}.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got "
+                                 f"{self.prompt_lookup_max}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise TokenmillError(f"{where}: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                                  f"({self.prompt_lookup_max})")
@@ -528,6 +534,8 @@ def _config_dict(where: str, value: Mapping[str, Any] | str, cls: type) -> dict[
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise TokenmillError(f"{where}: not a JSON object ({e})") from e
+        except RecursionError as e:   # (nesting deeper than the parser's recursion)
+            raise TokenmillError(f"{where}: not a JSON object (nested too deeply)") from e
     if not isinstance(value, Mapping):
         raise TokenmillError(f"{where}: expected a dict (or its JSON text), got {value!r:.60}")
     known = {f.name for f in fields(cls)}

@@ -506,6 +506,10 @@ def test_queue_full_is_429_with_retry_after(server, model_name):
                 assert r.headers["retry-after"] == "1"
                 r = httpx.post(server.base + "/v1/completions", json={**body, "n": 35}, headers=headers)
                 check_error(r, 400, "n", None)      # more than the server could ever hold
+                r = httpx.post(server.base + "/v1/completions", json={**body, "prompt": ["a", "b", "c"], "n": 12},
+                               headers=headers)
+                check_error(r, 400, "prompt", None)   # so are 3 prompts x 12 (not a 429 to retry)
+                assert "36 sequences" in r.json()["error"]["message"]
                 assert wait_for(lambda: server.metrics()["tokenmill_num_requests_running"] == 32
                                 and server.metrics()["tokenmill_num_requests_waiting"] >= 1), server.metrics()
     # Both clients went away: their requests are aborted, the queue drains, requests are accepted again.

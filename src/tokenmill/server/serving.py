@@ -256,6 +256,11 @@ async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None
 # ---- running -----------------------------------------------------------------------------------
 
 async def _submit(engine: AsyncEngine, request_id: str, prepared: Prepared) -> list[RequestStream]:
+    num_prompts, n = len(prepared.prompts), prepared.params.n
+    if num_prompts > 1 and num_prompts * n > engine.capacity:   # (never fits: not a 429 to retry)
+        raise ErrorBody(400, f"prompt: {num_prompts} prompts x n={n} are {num_prompts * n} sequences, more than the "
+                        f"server's capacity of {engine.capacity} (--max-num-seqs + --max-queued-requests)",
+                        param="prompt")
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prepared.prompts):
@@ -535,5 +540,7 @@ def _failure(e: EngineStoppedError | RequestFailedError, prepared: Prepared) -> 
     """A request that failed once running: a 400 naming the field when its own input made it fail
     (a constraint past the grammar engine's limits), else a 500."""
     if isinstance(e, RequestFailedError) and e.param is not None:
-        return _field_error(e.param, e.error, prepared.renames)
-    return ErrorBody(500, str(e), type_="server_error")
+        body = _field_error(e.param, e.error, prepared.renames)
+        body.counted = True
+        return body
+    return ErrorBody(500, str(e), type_="server_error", counted=True)

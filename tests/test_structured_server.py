@@ -235,7 +235,9 @@ def test_constraints_with_long_chains_compile_and_the_server_goes_on(server, cli
 def test_a_constraint_that_fails_during_generation_is_a_400_naming_its_field(server):
     """a{100000} compiles and gives a first mask, but the lexer outgrows llguidance's limits at the
     first token: the request's own input failed, so it is a 400 naming the field (not a 500), or,
-    once a stream has begun, an error event naming it."""
+    once a stream has begun, an error event naming it. It counts as invalid (not an engine error),
+    and the log says so in one line, without a traceback (any client can cause it)."""
+    before, logged = server.metrics(), len(server.log())
     body = {"model": "smol", "prompt": "a", "max_tokens": 8, "guided_regex": "a{100000}"}
     r = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -246,3 +248,10 @@ def test_a_constraint_that_fails_during_generation_is_a_400_naming_its_field(ser
     events = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert streamed.status_code == 200 and events[-1]["error"]["param"] == "guided_regex", events
+    after = server.metrics()
+    for status, more in (("invalid", 2), ("error", 0)):
+        key = f'tokenmill_requests_total{{status="{status}"}}'
+        assert after[key] - before[key] == more, (status, before[key], after[key])
+    log = server.log()[logged:]
+    assert log.count("ended by its own input: structured_outputs.regex failed during generation") == 2
+    assert "Traceback" not in log

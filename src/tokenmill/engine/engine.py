@@ -441,14 +441,16 @@ class LLMEngine:
                     self._fail(request, request.grammar.failure(f"failed to fill the mask: {e}"))
 
     def _fail(self, request: Request, error: Exception) -> None:
-        """End `request` alone because of `error` (a bug or a hostile input that got past
-        validation): it finishes with reason "error", and its blocks go back to the pool."""
-        logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
-                     exc_info=error)
+        """End `request` alone because of `error` (a bug, or its own input that validation could not
+        foresee, e.g. a grammar past a limit mid-generation): it finishes with reason "error", and its
+        blocks go back to the pool."""
         request.finish("error")
         if isinstance(error, SamplingParamsError):   # its own input: the message begins with the field
-            request.error, request.error_param = str(error), error.field
+            logger.info("request %s ended by its own input: %s", request.request_id, error)   # (no traceback: any
+            request.error, request.error_param = str(error), error.field                    # client can cause it)
         else:
+            logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
+                         exc_info=error)
             request.error = f"{type(error).__name__}: {error}"
         self._release(request)
 

@@ -269,7 +269,7 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
             await serving.compile_constraint(prepared, engine.inputs)
             return await serving.run(engine, prepared, config.served_model_name, request)
         except ErrorBody as e:   # (requests that failed in the engine are counted by the engine front)
-            if e.status < 500 or e.status == 503:
+            if not e.counted and (e.status < 500 or e.status == 503):
                 state.metrics.count("rejected" if e.status in (429, 503) else "invalid")
             raise
 

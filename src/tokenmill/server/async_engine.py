@@ -434,5 +434,7 @@ class AsyncEngine:
         if output.finished and m is not None:
             m.e2e.observe(now - stream.arrival_time)
             reasons = {o.finish_reason for o in output.outputs}
-            m.count("error" if output.error is not None else "abort" if "abort" in reasons
-                    else "length" if "length" in reasons else "stop")
+            if output.error is not None:   # (ended by its own input: invalid, as a request refused at once)
+                m.count("invalid" if output.error_param is not None else "error")
+            else:
+                m.count("abort" if "abort" in reasons else "length" if "length" in reasons else "stop")

@@ -30,8 +30,10 @@ class ErrorBody(Exception):
     """An error to send as OpenAI's body {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None, counted: bool = False):
+        """`counted`: the request ran, and the engine front counted how it ended (in /metrics)."""
         super().__init__(message)
+        self.counted = counted
         self.status = status
         self.message = message
         self.type = type_

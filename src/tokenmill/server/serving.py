@@ -13,6 +13,7 @@ numbered `prompt_index * n + sample_index`, as OpenAI does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,6 +31,7 @@ from tokenmill.engine.input import InputProcessor, ToolPlan
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import SamplingParams, SamplingParamsError
+from tokenmill.sampling.structured import StructuredOutputsParams
 from tokenmill.server.async_engine import (
     AsyncEngine,
     EngineStoppedError,
@@ -250,7 +252,22 @@ async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None
         raise engine_error(SamplingParamsError(spec.field, f"took more than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to "
                                                "compile; simplify it"), prepared.renames) from None
     except SamplingParamsError as e:
-        raise engine_error(e, prepared.renames) from None
+        culprit = None
+        if prepared.tools is not None:   # the tools' grammar: name the tool whose schema fails alone
+            with contextlib.suppress(TimeoutError):
+                culprit = await asyncio.wait_for(asyncio.to_thread(_failing_tool, prepared.tools, inputs),
+                                                 GRAMMAR_COMPILE_TIMEOUT_S)
+        raise (culprit or engine_error(e, prepared.renames)) from None
+
+
+def _failing_tool(tools: ToolPlan, inputs: InputProcessor) -> ErrorBody | None:
+    """A 400 naming the first tool whose parameters schema does not compile by itself, if one does not."""
+    for i, tool in enumerate(tools.parser.tools):
+        try:
+            inputs.grammars.compile(StructuredOutputsParams(json=tool.parameters))
+        except SamplingParamsError as e:
+            return _field_error(e.field, str(e), {e.field: f"tools[{i}].function.parameters"})
+    return None
 
 
 # ---- running -----------------------------------------------------------------------------------

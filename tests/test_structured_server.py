@@ -190,7 +190,7 @@ def test_round_trip_call_result_answer(client):
      ["keeps the output to tool calls", "cannot be combined"]),
     # (the default model's template renders no tools: "auto" runs the generic format's grammar)
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice",
-     ["'auto' keeps the output to the answer format of the generic tool-call format", "cannot be combined"]),
+     ["'auto' keeps the output to the generic tool-call format's answer", "cannot be combined"]),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", ["tool_call_id"]),
     # a schema the grammar engine cannot compile: the tool is named, not the whole tools grammar
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {

@@ -661,13 +661,14 @@ class ToolParser:
         """A fresh incremental parser for one output."""
         return self.stream_class()
 
+    def called_tools(self, choice: ToolChoice) -> list[Tool]:
+        """The tools a grammar for `choice` lets the model call: the named function, or all."""
+        return [self._tools_by_name[choice.name]] if choice.mode == "function" else self.tools
+
     def _calls_rules(self, choice: ToolChoice, parallel: bool, special_tokens: Mapping[str, int]) -> str:
         """Lark rules, the first named `calls`, for this syntax's calls as `choice` allows them:
         one call to the named function, or one or more (exactly one when not `parallel`) to any."""
-        if choice.mode == "function":
-            tools, many = [self._tools_by_name[choice.name]], False
-        else:
-            tools, many = self.tools, parallel
+        tools, many = self.called_tools(choice), parallel and choice.mode != "function"
         more = f"({_lark_text(self.separator, special_tokens)} call)* " if many else ""
         rules = [f"calls: {_lark_text(self.list_open, special_tokens)} call {more}"
                  f"{_lark_text(self.list_close, special_tokens)}",
@@ -676,12 +677,15 @@ class ToolParser:
             head = f'{self.call_open}{{"name": {json.dumps(tool.name)}, {json.dumps(self.arguments_key)}: '
             rules.append(f"call_{i}: {_lark_text(head, special_tokens)} args_{i} "
                          f"{_lark_text('}' + self.call_close, special_tokens)}")
-            # {} is an object too; and no properties beyond the declared ones unless the schema allows
-            # them (small models otherwise copy schema keywords into the arguments)
-            schema = {"type": "object", "additionalProperties": False, **tool.parameters,
-                      "x-guidance": _GRAMMAR_JSON_STYLE}
-            rules.append(f"args_{i}: %json {json.dumps(schema)}")
+            rules.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
         return "\n".join(rules)
+
+
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON schema a call's arguments follow in the grammars: the tool's, as an object ({} is an
+    object too) with no properties beyond the declared ones unless the schema allows them (small
+    models otherwise copy schema keywords into the arguments), in the templates' JSON style."""
+    return {"type": "object", "additionalProperties": False, **tool.parameters, "x-guidance": _GRAMMAR_JSON_STYLE}
 
 
 def _lark_text(text: str, special_tokens: Mapping[str, int]) -> str:

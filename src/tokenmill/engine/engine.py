@@ -437,8 +437,9 @@ class LLMEngine:
             for request in requests:
                 try:
                     self.grammars.fill_masks([request.grammar])
-                except Exception as e:
-                    self._fail(request, request.grammar.failure(f"failed to fill the mask: {e}"))
+                except Exception as e:   # the request's own constraint where the grammar engine says so
+                    grammar = request.grammar
+                    self._fail(request, grammar.failure(f"failed to fill the mask: {e}") if grammar.failed else e)
 
     def _fail(self, request: Request, error: Exception) -> None:
         """End `request` alone because of `error` (a bug, or its own input that validation could not

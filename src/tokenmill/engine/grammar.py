@@ -75,6 +75,11 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise self.failure(f"rejected token {token_id}: {self._matcher.get_error()[:MAX_ERROR_CHARS]}")
 
+    @property
+    def failed(self) -> bool:
+        """Whether the grammar engine stopped on this request's constraint (past one of its limits)."""
+        return self._matcher.is_error()
+
     def failure(self, what: str) -> SamplingParamsError:
         return SamplingParamsError(self.field, f"failed during generation (the grammar engine {what})")
 
@@ -174,6 +179,12 @@ class GrammarCompiler:
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise as `compile` would for `spec`, without keeping it in the cache (a diagnosis)."""
+        with self._lock:
+            tokenizer = self.llguidance_tokenizer()
+        _on_compile_stack(_compile, spec, tokenizer)
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one request, with its first mask."""

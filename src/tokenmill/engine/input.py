@@ -70,9 +70,9 @@ class ToolPlan:
         changes: dict[str, Any] = {}
         if self.grammar is not None:
             if params.structured_outputs is not None:
-                kept = ("to the answer format of the generic tool-call format (this model's chat template renders "
-                        "no tools): {\"tool_calls\": [...]} or {\"content\": \"...\"}" if self.choice.mode == "auto"
-                        else "to tool calls")
+                # (of the formats, only generic has a grammar for "auto")
+                kept = ("to the generic tool-call format's answer, {\"tool_calls\": [...]} or {\"content\": "
+                        "\"...\"}" if self.choice.mode == "auto" else "to tool calls")
                 raise SamplingParamsError("tool_choice", f"{self.choice.name or self.choice.mode!r} keeps the output "
                                           f"{kept}, so it cannot be combined with response_format or another output "
                                           "constraint")

@@ -140,7 +140,8 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, request: Request) -> None:
-        _discard(self.running, request)
+        if not _discard(self.running, request):
+            raise RuntimeError(f"preempting {request.request_id}, which is not running")
         request.spec_token_ids.clear()
         self.kv.free(request)
         request.num_computed_tokens = 0

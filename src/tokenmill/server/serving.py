@@ -13,7 +13,6 @@ numbered `prompt_index * n + sample_index`, as OpenAI does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -40,6 +39,7 @@ from tokenmill.server.async_engine import (
     RequestStream,
 )
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
+from tokenmill.tool_calls import arguments_schema
 
 # Sampling fields that keep the model's default (generation_config.json) when the request omits them.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -152,9 +152,9 @@ def engine_error(e: TokenmillError, renames: dict[str, str]) -> ErrorBody:
     return _field_error(field, message, renames)
 
 
-def _field_error(field: str | None, message: str, renames: dict[str, str]) -> ErrorBody:
+def _field_error(field: str | None, message: str, renames: dict[str, str], counted: bool = False) -> ErrorBody:
     """A 400 naming `field` (a SamplingParams field, renamed to the request's field, in `message` too
-    when it begins with it), or naming none when `field` is None."""
+    when it begins with it), or naming none when `field` is None; `counted` as ErrorBody's."""
     if field is not None:
         root = field.split("[", 1)[0]
         if root in renames:
@@ -162,7 +162,7 @@ def _field_error(field: str | None, message: str, renames: dict[str, str]) -> Er
             message = new_root + message[len(root):] if message.startswith(root) else message
             field = new_root + field[len(root):]
     code = "context_length_exceeded" if "max_model_len" in message else None
-    return ErrorBody(400, message, param=field, code=code)
+    return ErrorBody(400, message, param=field, code=code, counted=counted)
 
 
 def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
@@ -248,25 +248,28 @@ async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None
         return
     try:
         await asyncio.wait_for(asyncio.to_thread(inputs.grammars.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
-    except TimeoutError:
+    except asyncio.TimeoutError:   # (TimeoutError itself from Python 3.11)
         raise engine_error(SamplingParamsError(spec.field, f"took more than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to "
                                                "compile; simplify it"), prepared.renames) from None
     except SamplingParamsError as e:
         culprit = None
-        if prepared.tools is not None:   # the tools' grammar: name the tool whose schema fails alone
-            with contextlib.suppress(TimeoutError):
-                culprit = await asyncio.wait_for(asyncio.to_thread(_failing_tool, prepared.tools, inputs),
-                                                 GRAMMAR_COMPILE_TIMEOUT_S)
+        if prepared.tools is not None and prepared.tools.grammar is not None:   # (then it is the tools' grammar)
+            deadline = time.monotonic() + GRAMMAR_COMPILE_TIMEOUT_S
+            culprit = await asyncio.to_thread(_failing_tool, prepared.tools, inputs, deadline)
         raise (culprit or engine_error(e, prepared.renames)) from None
 
 
-def _failing_tool(tools: ToolPlan, inputs: InputProcessor) -> ErrorBody | None:
-    """A 400 naming the first tool whose parameters schema does not compile by itself, if one does not."""
-    for i, tool in enumerate(tools.parser.tools):
+def _failing_tool(tools: ToolPlan, inputs: InputProcessor, deadline: float) -> ErrorBody | None:
+    """A 400 naming the first tool in the grammar whose arguments schema does not compile by itself,
+    if one does not (each checked without caching it, until `deadline`)."""
+    for tool in tools.parser.called_tools(tools.choice):
+        if time.monotonic() > deadline:
+            return None
         try:
-            inputs.grammars.compile(StructuredOutputsParams(json=tool.parameters))
+            inputs.grammars.check(StructuredOutputsParams(json=arguments_schema(tool)))
         except SamplingParamsError as e:
-            return _field_error(e.field, str(e), {e.field: f"tools[{i}].function.parameters"})
+            name = f"tools[{tools.parser.tools.index(tool)}].function.parameters"
+            return _field_error(e.field, str(e), {e.field: name})
     return None
 
 
@@ -274,7 +277,8 @@ def _failing_tool(tools: ToolPlan, inputs: InputProcessor) -> ErrorBody | None:
 
 async def _submit(engine: AsyncEngine, request_id: str, prepared: Prepared) -> list[RequestStream]:
     num_prompts, n = len(prepared.prompts), prepared.params.n
-    if num_prompts > 1 and num_prompts * n > engine.capacity:   # (never fits: not a 429 to retry)
+    # several prompts that could never be in flight at once: a 400, not a 429 to retry (n alone: add_request's)
+    if num_prompts > 1 and n <= engine.capacity < num_prompts * n:
         raise ErrorBody(400, f"prompt: {num_prompts} prompts x n={n} are {num_prompts * n} sequences, more than the "
                         f"server's capacity of {engine.capacity} (--max-num-seqs + --max-queued-requests)",
                         param="prompt")
@@ -557,7 +561,5 @@ def _failure(e: EngineStoppedError | RequestFailedError, prepared: Prepared) -> 
     """A request that failed once running: a 400 naming the field when its own input made it fail
     (a constraint past the grammar engine's limits), else a 500."""
     if isinstance(e, RequestFailedError) and e.param is not None:
-        body = _field_error(e.param, e.error, prepared.renames)
-        body.counted = True
-        return body
+        return _field_error(e.param, e.error, prepared.renames, counted=True)
     return ErrorBody(500, str(e), type_="server_error", counted=True)

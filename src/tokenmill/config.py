@@ -369,8 +369,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it torch emulates
-    bf16 matmuls through fp32 conversions (~3x slower than fp32 on an AVX-512 Xeon, ~5x on an AVX2
-    EPYC), so a bf16 weight's many-row products run in float32 there (`Linear.dense`)."""
+    bf16 matmuls through fp32 conversions (several times slower than fp32, tens of times for large
+    products on an AVX2 EPYC), so a bf16 weight's many-row products run in float32 there
+    (`linear.dense_linear`)."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 

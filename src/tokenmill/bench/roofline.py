@@ -73,7 +73,7 @@ def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: i
         from tokenmill.layers.linear import dense_linear, dense_matmul_dtype
 
         a = torch.randn(n, n).to(dtype)
-        flops = 2 * n**3 / best(lambda: dense_linear(a, a)) / 1e9
+        flops = 2 * n**3 / best(lambda: dense_linear(a, a, kernel=False)) / 1e9
         weights, compute = (str(t).removeprefix("torch.") for t in (dtype, dense_matmul_dtype(a)))
         name = weights if compute == weights else f"{weights} weights, {compute}"
         return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)")

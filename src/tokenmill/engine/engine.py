@@ -447,8 +447,9 @@ class LLMEngine:
         blocks go back to the pool."""
         request.finish("error")
         if isinstance(error, SamplingParamsError):   # its own input: the message begins with the field
-            logger.info("request %s ended by its own input: %s", request.request_id, error)   # (no traceback: any
-            request.error, request.error_param = str(error), error.field                    # client can cause it)
+            # (one line, no traceback: any client can cause it)
+            logger.info("request %s ended by its own input: %s", request.request_id, error)
+            request.error, request.error_param = str(error), error.field
         else:
             logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
                          exc_info=error)

@@ -161,30 +161,26 @@ class GrammarCompiler:
                 found[text] = ids[0]
         return found
 
-    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+    def compile(self, spec: StructuredOutputsParams, cache: bool = True) -> CompiledGrammar:
         """The compiled constraint (a matcher at the start of the output, to copy, and its first
         mask), from the cache when the same constraint was compiled before. Raises
         SamplingParamsError naming the field when the schema, regex or grammar is invalid or
-        exceeds the limits."""
+        exceeds the limits. `cache` False: neither looked up nor kept (a diagnosis)."""
         key = spec.key()
         with self._lock:
-            cached = self._cache.get(key)
+            cached = self._cache.get(key) if cache else None
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
             tokenizer = self.llguidance_tokenizer()
         compiled = _on_compile_stack(_compile, spec, tokenizer)
+        if not cache:
+            return compiled
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
-
-    def check(self, spec: StructuredOutputsParams) -> None:
-        """Raise as `compile` would for `spec`, without keeping it in the cache (a diagnosis)."""
-        with self._lock:
-            tokenizer = self.llguidance_tokenizer()
-        _on_compile_stack(_compile, spec, tokenizer)
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one request, with its first mask."""

@@ -268,9 +268,7 @@ class AsyncEngine:
         when full, TokenmillError when the engine refuses it (e.g. the prompt is too long)."""
         if not self.is_running:
             raise EngineStoppedError("the server is shutting down")
-        if params.n > self.capacity:
-            raise TokenmillError(f"n: {params.n} samples exceed the server's capacity of {self.capacity} "
-                                 "sequences (--max-num-seqs + --max-queued-requests)")
+        self.check_capacity("n", f"{params.n} samples", params.n)
         if self._num_seqs + params.n > self.capacity:
             raise QueueFullError(f"the server is at capacity ({self._num_seqs} sequences in flight, "
                                  f"{self.capacity} allowed); retry later")
@@ -285,6 +283,13 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return stream
+
+    def check_capacity(self, field: str, what: str, num_seqs: int) -> None:
+        """Refuse (TokenmillError naming `field`) `num_seqs` sequences that could never be in flight at
+        once: a request to correct, not a 429 to retry."""
+        if num_seqs > self.capacity:
+            raise TokenmillError(f"{field}: {what} exceed the server's capacity of {self.capacity} sequences "
+                                 "(--max-num-seqs + --max-queued-requests)")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its client went away); a no-op for one that already finished."""

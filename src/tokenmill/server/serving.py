@@ -266,7 +266,7 @@ def _failing_tool(tools: ToolPlan, inputs: InputProcessor, deadline: float) -> E
         if time.monotonic() > deadline:
             return None
         try:
-            inputs.grammars.check(StructuredOutputsParams(json=arguments_schema(tool)))
+            inputs.grammars.compile(StructuredOutputsParams(json=arguments_schema(tool)), cache=False)
         except SamplingParamsError as e:
             name = f"tools[{tools.parser.tools.index(tool)}].function.parameters"
             return _field_error(e.field, str(e), {e.field: name})
@@ -277,13 +277,11 @@ def _failing_tool(tools: ToolPlan, inputs: InputProcessor, deadline: float) -> E
 
 async def _submit(engine: AsyncEngine, request_id: str, prepared: Prepared) -> list[RequestStream]:
     num_prompts, n = len(prepared.prompts), prepared.params.n
-    # several prompts that could never be in flight at once: a 400, not a 429 to retry (n alone: add_request's)
-    if num_prompts > 1 and n <= engine.capacity < num_prompts * n:
-        raise ErrorBody(400, f"prompt: {num_prompts} prompts x n={n} are {num_prompts * n} sequences, more than the "
-                        f"server's capacity of {engine.capacity} (--max-num-seqs + --max-queued-requests)",
-                        param="prompt")
     streams: list[RequestStream] = []
     try:
+        if n <= engine.capacity:   # (n alone past it: add_request names n)
+            engine.check_capacity("prompt", f"{num_prompts} prompts x n={n} ({num_prompts * n} sequences)",
+                                  num_prompts * n)
         for i, (text, ids) in enumerate(prepared.prompts):
             streams.append(await engine.add_request(f"{request_id}-{i}", text, ids, prepared.params))
     except BaseException as e:

@@ -10,6 +10,7 @@ module of the package, in a fresh interpreter, must load no package that only an
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import json
 import pkgutil
@@ -71,8 +72,15 @@ def third_party_imports() -> dict[str, dict[str, list[str]]]:
     return found
 
 
+@functools.cache
+def installed_import_names() -> dict[str, list[str]]:
+    """{import name: the distributions that provide it}: read once (it scans every installed
+    distribution's file list, torch's included)."""
+    return importlib.metadata.packages_distributions()
+
+
 def distributions_of(import_name: str) -> set[str]:
-    dists = importlib.metadata.packages_distributions().get(import_name)
+    dists = installed_import_names().get(import_name)
     if dists:
         return {normalize(d) for d in dists}
     return {normalize(NOT_INSTALLED_IMPORT_NAMES[import_name])} if import_name in NOT_INSTALLED_IMPORT_NAMES else set()

@@ -72,7 +72,8 @@ def test_grammar_masks_ban_exactly_the_disallowed_tokens(vocab_size):
 @pytest.mark.slow
 def test_twenty_schemas_ten_samples_each_at_temperature_one_all_validate(llm):
     """200 constrained samples at temperature 1.0, all submitted at once (batched together): each
-    parses and validates. The same requests unconstrained are counted for contrast."""
+    parses and validates. Three samples per schema of the same requests unconstrained are counted
+    for contrast (a third of the test's time at ten)."""
     # (no keyword bounds log_entry's free-form map, nor comment_thread's recursion)
     cases = [case._replace(schema=bounded(case.schema)) for case in SCHEMAS
              if case.name not in ("log_entry", "comment_thread")]
@@ -82,7 +83,7 @@ def test_twenty_schemas_ten_samples_each_at_temperature_one_all_validate(llm):
     conversations = [[{"role": "user", "content": p}] for p in prompts]
     constrained = llm.chat(conversations, [json_params(c.schema, n=10, temperature=1.0, seed=i, max_tokens=1200)
                                            for i, c in enumerate(cases)], use_tqdm=False)
-    free = llm.chat(conversations, SamplingParams(n=10, temperature=1.0, seed=0, max_tokens=120), use_tqdm=False)
+    free = llm.chat(conversations, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=120), use_tqdm=False)
     failures = []
     for case, out in zip(cases, constrained, strict=True):
         for sample in out.outputs:
@@ -94,8 +95,8 @@ def test_twenty_schemas_ten_samples_each_at_temperature_one_all_validate(llm):
                 failures.append((case.name, sample.text[:200], repr(e)[:300]))
     assert not failures, failures
     free_valid = sum(_validates(s.text, c.schema) for c, out in zip(cases, free, strict=True) for s in out.outputs)
-    print(f"\nconstrained: 200/200 valid; unconstrained: {free_valid}/200 valid")
-    assert free_valid < 200   # (the contrast: without the constraint this model rarely writes valid JSON)
+    print(f"\nconstrained: 200/200 valid; unconstrained: {free_valid}/60 valid")
+    assert free_valid < 60   # (the contrast: without the constraint this model rarely writes valid JSON)
 
 
 def bounded(schema: object) -> object:

@@ -328,6 +328,43 @@ def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     assert eng.speculator.stats.num_draft_tokens == drafted[0.05]
 
 
+def test_a_drafts_catch_up_rows_run_as_one_decode_step(tiny_gguf_model, monkeypatch):
+    """A draft's catch-up (its requests' few uncomputed rows: at most num_speculative_tokens + 2 in
+    a steady step) enters attention as single-query entries, as verification does, so the step is
+    a decode step, the whole stack in one C call, with the logits of the multi-row prefill path;
+    a request with more rows keeps the prefill path (and the layer loop)."""
+    eng = make_engine(tiny_gguf_model("llama", "Q8_0"), enable_prefix_caching=False, kv_cache_dtype="float32")
+    prompts = [[1, 5, 9, 5, 9, 5, 2, 7], list(range(2, 12)), [4, 4, 6]]
+    uncomputed = [2, 4, 2]   # (8 rows: at most what a dense plan's decode stack takes)
+    requests = [eng.add_request(p, SamplingParams(max_tokens=8)) for p in prompts]
+    for request, prompt, n in zip(requests, prompts, uncomputed, strict=True):
+        assert eng.kv.allocate_slots(request, len(prompt))
+        if len(prompt) > n:   # the rows before them computed
+            input_ids, positions, meta, _, _ = eng.runner.prepare([(request, len(prompt) - n)])
+            with torch.inference_mode():
+                eng.model(input_ids, positions, meta)
+            request.num_computed_tokens = len(prompt) - n
+    stacks = []
+    real = kernels.decode_stack
+    monkeypatch.setattr(kernels, "decode_stack", lambda *args, **kwargs: stacks.append(1) or real(*args, **kwargs))
+    logits = {}
+    for rows in (0, 3, 4):
+        eng.runner.single_query_rows = rows
+        input_ids, positions, meta, _, _ = eng.runner.prepare(list(zip(requests, uncomputed, strict=True)))
+        # attention entries: a request's rows together, or each row alone where it has at most `rows`
+        assert len(meta.seq_lens) == {0: 3, 3: 5, 4: 8}[rows]
+        with torch.inference_mode():
+            logits[rows] = eng.model.compute_logits(eng.model(input_ids, positions, meta))
+        assert len(stacks) == (rows == 4), "the decode stack runs exactly where every entry has one row"
+        stacks.clear()
+    # (the quantized matmul rounds its activations to 16 bits a group, so attention's summation order
+    # reaches the logits: up to ~1e-3 here, logits ~4 apart, as between the torch backend's own two
+    # paths; a row seeing one key too many or too few moves them by ~0.1-1)
+    torch.testing.assert_close(logits[4], logits[0], atol=4e-3, rtol=0)
+    torch.testing.assert_close(logits[3], logits[0], atol=4e-3, rtol=0)
+    assert not torch.equal(logits[0][0], logits[0][1])   # (rows that differ: a comparison that can fail)
+
+
 def test_speculative_config_is_vllms_dict_or_its_json():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 4, 3)

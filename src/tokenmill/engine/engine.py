@@ -232,7 +232,8 @@ class LLMEngine:
             raise TokenmillError("speculative_config: method draft_model needs the draft's engine (load_engine "
                                  "builds it from speculative_config.model)")
         else:
-            proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, self.model_config.vocab_size)
+            proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, self.model_config.vocab_size,
+                                          config.num_speculative_tokens)
         return Speculator(config, proposer, self.model_config.vocab_size, self.device,
                           RowCost(row_cost(self.device, self.quantized)))
 

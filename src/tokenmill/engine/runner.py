@@ -42,15 +42,21 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
+        # A request scheduled with at most this many rows enters attention as single-query entries,
+        # as a verifying one does (prepare): a draft model's catch-up rows (speculative.py) then run
+        # as a decode step, one C call for the whole stack, not the layer loop with a prefill
+        # call per request and layer. 0 for a target model, whose prompt rows keep the prefill path.
+        self.single_query_rows = 0
         bind_kv_caches(model, kv_caches, attention_backend, layer_groups)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                       list[int], list[Request]]:
         """The packed batch. A request verifying k proposed tokens (`spec_token_ids`, scheduled with
-        its one uncomputed token: n = k + 1) enters attention as k + 1 single-query entries over its
-        block tables, at consecutive positions: every row writes its K/V before any row attends
-        (layers/attention.py), so entry j sees the keys of the rows before it, and the step stays a
-        decode step (the C decode stack) with each row computed exactly as a plain decode would."""
+        its one uncomputed token: n = k + 1), or one of at most `single_query_rows` rows, enters
+        attention as n single-query entries over its block tables, at consecutive positions: every
+        row writes its K/V before any row attends (layers/attention.py), so entry j sees the keys of
+        the rows before it, and the step stays a decode step (the C decode stack) with each row
+        computed exactly as a plain decode would."""
         ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
@@ -68,7 +74,8 @@ class ModelRunner:
             for group_slots, table in zip(slots, request.tables, strict=True):
                 blocks = table.block_ids
                 group_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            entries = [(1, start + j + 1) for j in range(n)] if spec else [(n, start + n)]
+            single = spec or n <= self.single_query_rows
+            entries = [(1, start + j + 1) for j in range(n)] if single else [(n, start + n)]
             for rows, seq_len in entries:   # (query rows, context length once written)
                 query_start_loc.append(query_start_loc[-1] + rows)
                 seq_lens.append(seq_len)

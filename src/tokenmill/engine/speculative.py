@@ -234,8 +234,12 @@ class DraftModelProposer:
     keyed = False    # each proposed token costs a draft step: k is chosen before it runs
     keys = (0,)
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_model_len: int, vocab_size: int):
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_model_len: int, vocab_size: int,
+                 max_tokens: int):
+        """`max_tokens`: the most tokens proposed to a request at once (num_speculative_tokens)."""
         self.runner, self.kv, self.max_model_len, self.vocab_size = runner, kv, max_model_len, vocab_size
+        # a steady catch-up (below) runs as a decode step
+        runner.single_query_rows = max_tokens + 2
         self.sampler = Sampler()
         self.shadows: dict[str, Request] = {}
         self.synced: dict[str, int] = {}   # request id -> how many of the shadow's tokens are the target's

@@ -72,3 +72,23 @@ def test_latency_bench_rows_and_engine_flags(tiny_hf_model, tmp_path, capsys):
         assert row["dtype"] == "float32"
     # the same prompt ids and fp32 weights: the same greedy tokens (the model parity tests' claim)
     assert tm["greedy_tokens"] == hf["greedy_tokens"] and len(tm["greedy_tokens"]) == 4
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["quality", "--chunk-size", "0"], "argument --chunk-size: must be >= 1, got 0"),   # (range() step 0)
+    (["replicas", "--num-requests", "0"], "argument --num-requests: must be >= 1, got 0"),   # (max() of nothing)
+    (["replicas", "--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),   # (was: unlimited)
+    (["parallel", "--steps", "0"], "argument --steps: must be >= 1, got 0"),   # (a division by zero)
+    (["parallel", "--batch-sizes", "8", "-1"], "argument --batch-sizes: must be >= 1, got -1"),
+    (["serve", "--timeout", "nan"], "argument --timeout: must be a finite number of seconds > 0, got nan"),
+    (["spec", "--timeout", "0"], "argument --timeout: must be a finite number of seconds > 0, got 0"),
+    (["monitor", "--interval", "-1"], "argument --interval: must be a finite number of seconds > 0, got -1"),
+    (["replicas", "--repeats", "x"], "argument --repeats: not an integer: 'x'"),
+])
+def test_bench_counts_and_time_limits_are_refused_when_the_flags_are_read(argv, words, capsys):
+    """Before anything loads: these failed with a traceback after the model had loaded, or ran
+    with a meaning of their own."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.rstrip().endswith(words) and "Traceback" not in err, err

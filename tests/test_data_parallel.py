@@ -166,6 +166,9 @@ def test_replica_roles_and_refusals():
     assert replica_roles(2, EngineConfig(kv_transfer_config={**kv, "kv_role": "kv_producer"})) == ["both"] * 2
     with pytest.raises(TokenmillError, match="--data-parallel-size"):
         replica_roles(0, EngineConfig())
+    for many in (os.cpu_count() + 1, 2**63):   # (a process each: 2**63 was an OverflowError, 500 would start)
+        with pytest.raises(TokenmillError, match="--data-parallel-size: at most one replica per core"):
+            replica_roles(many, EngineConfig())
     with pytest.raises(TokenmillError, match="does not combine"):
         replica_roles(2, EngineConfig(kv_transfer_config=kv))
     for config, words in [({"kv_connector": "Nixl"}, "is not one of"), ({**kv, "x": 1}, "unknown key.*'x'"),

@@ -34,6 +34,7 @@ from tokenmill.engine.input import load_engine
 from tokenmill.server import serving
 from tokenmill.server.app import HeaderTimeoutH11Protocol, ServerConfig, create_app
 from tokenmill.server.async_engine import AsyncEngine
+from tokenmill.server.command import API_KEY_ENV
 
 CPU_FLAGS = ["--dtype", "float32", "--device", "cpu"]
 READ_TIMEOUT_S = 1.0          # the subprocess server's --request-read-timeout
@@ -207,14 +208,24 @@ def test_tokenize_refuses_empty_messages(inproc):
 
 # ---- flags -------------------------------------------------------------------------------------------
 
-def test_serve_refuses_bad_server_flags(capsys, default_gguf_path):
+def test_serve_refuses_bad_server_flags(capsys, default_gguf_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "a key")
     for args, words in ((["--port", "70000"], "--port: must be between 1 and 65535, got 70000"),
                         (["--port", "0"], "--port: must be between 1 and 65535"),
                         (["--served-model-name", ""], "--served-model-name: must not be empty"),
-                        (["--model", ""], "model must not be empty")):
+                        (["--model", ""], "model must not be empty"),
+                        # an unset variable (`--host "$HOST"`) would have listened on every interface,
+                        (["--host", ""], "--host: must not be empty"),
+                        # and (`--api-key "$KEY"`) served without a key, though TOKENMILL_API_KEY is set
+                        (["--api-key", ""], "--api-key: must not be empty or begin or end with spaces"),
+                        (["--api-key", " "], "--api-key: must not be empty"),
+                        (["--api-key", "key "], "--api-key: must not be empty or begin or end with spaces")):
         assert main(["serve", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"tokenmill: error: {words}") and "Traceback" not in err, err
+    monkeypatch.setenv(API_KEY_ENV, " key")   # (no client could send it)
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err.startswith(f"tokenmill: error: {API_KEY_ENV}: must not be empty or begin")
 
 
 def test_serve_on_a_port_in_use_or_a_foreign_address_is_one_error_before_loading(default_gguf_path):
@@ -226,7 +237,10 @@ def test_serve_on_a_port_in_use_or_a_foreign_address_is_one_error_before_loading
         port = taken.getsockname()[1]
         for args, words in (([default_gguf_path, "--port", str(port)], f"--port: cannot listen on 127.0.0.1:{port}"),
                             ([default_gguf_path, "--host", "192.0.2.1"], "--host: cannot listen on 192.0.2.1"),
-                            ([default_gguf_path, "--host", "no-such-host.invalid"], "--host: 'no-such-host.invalid'")):
+                            ([default_gguf_path, "--host", "no-such-host.invalid"], "--host: 'no-such-host.invalid'"),
+                            # (names the IDNA codec refuses: a UnicodeError traceback before)
+                            ([default_gguf_path, "--host", "a" * 64], "--host: 'aaaa"),
+                            ([default_gguf_path, "--host", "a..b"], "--host: 'a..b' is not an address")):
             r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", *map(str, args)], capture_output=True,
                                text=True, timeout=120)
             assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

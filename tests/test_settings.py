@@ -109,6 +109,9 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_before_allocation(tiny_hf_
         LLM(path, dtype="float32", num_kv_blocks=10**12)
     with pytest.raises(TokenmillError, match=r"kv_cache_memory: 10240.0 GiB is more than the cpu memory"):
         LLM(path, dtype="float32", kv_cache_memory="10TiB")
+    # and one smaller than a block (a size without its unit) was rounded up to one block
+    with pytest.raises(TokenmillError, match=r"kv_cache_memory: 100 bytes is less than one KV block \(\d+ bytes"):
+        LLM(path, dtype="float32", kv_cache_memory=100)
 
 
 def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(tiny_hf_model, default_gguf_path):
@@ -129,6 +132,14 @@ def test_chat_template_as_a_string_or_a_file(tiny_hf_model, tmp_path):
         LLM(path, dtype="float32", chat_template=str(tmp_path / "missing.jinja"))
     with pytest.raises(TokenmillError, match="not valid Jinja"):
         LLM(path, dtype="float32", chat_template="{% for %}")
+    # templates that compile but cannot render are refused at load too (they were every chat's 400,
+    # which blamed the client's messages for the server's setting)
+    (tmp_path / "empty.jinja").write_text("", encoding="utf-8")
+    for bad, words in (('{{ raise_exception("boom") }}', "the chat_template setting failed: boom"),
+                       ("{{ messages[0].nosuch.attr }}", "the chat_template setting failed: .*nosuch"),
+                       (str(tmp_path / "empty.jinja"), "renders a one-message conversation as no text")):
+        with pytest.raises(TokenmillError, match=f"{words}.*tried at load"):
+            LLM(path, dtype="float32", chat_template=bad)
 
 
 # ---- Hugging Face ids, from a hub cache laid out by hand ------------------------------------------------

@@ -23,6 +23,8 @@ from engine_helpers import make_engine
 from test_server import Server, running, wait_for
 
 from tokenmill import LLM, parallel
+from tokenmill.config import EngineConfig
+from tokenmill.engine import engine as engine_module
 from tokenmill.engine import workers
 from tokenmill.engine.workers import free_port
 from tokenmill.errors import TokenmillError
@@ -116,11 +118,17 @@ def test_split_takes_whole_units_and_refuses_what_it_cannot_cut():
         parallel.split(32, 2, 32)
 
 
-def test_an_engine_whose_heads_cannot_be_spread_is_refused_and_leaves_no_worker(tiny_hf_model):
+def test_an_engine_whose_heads_cannot_be_spread_is_refused_and_leaves_no_worker(tiny_hf_model, monkeypatch):
     before = set(children(os.getpid()))   # (other tests' helpers may live on)
     with pytest.raises(TokenmillError, match="cannot be spread"):   # 2 KV heads on 3 ranks
         make_engine(tiny_hf_model("llama"), tensor_parallel_size=3, threads=1)
     assert wait_for(lambda: not set(children(os.getpid())) - before, 10), set(children(os.getpid())) - before
+    # refused before any rank's process starts (-tp 16 used to start 15 workers first, 41 s)
+    started = []
+    monkeypatch.setattr(engine_module, "TPWorkers", lambda *args: started.append(args))
+    with pytest.raises(TokenmillError, match="cannot be spread"):
+        make_engine(tiny_hf_model("llama"), tensor_parallel_size=16, threads=1)
+    assert not started
 
 
 # ---- TP=2 == TP=1 ---------------------------------------------------------------------------------
@@ -288,7 +296,11 @@ def test_ranks_started_elsewhere_join_through_torchrun_variables(tiny_hf_model, 
 @pytest.mark.parametrize("env,message", [({}, "set MASTER_ADDR"), ({"RANK": "0"}, "RANK=0 is the engine's"),
                                          ({"RANK": "2"}, "not one of WORLD_SIZE 2's ranks"),
                                          ({"RANK": "1", "MASTER_PORT": "99999"}, "MASTER_PORT must be a TCP port"),
-                                         ({"RANK": "1", "MASTER_PORT": "-1"}, "MASTER_PORT must be a TCP port")])
+                                         ({"RANK": "1", "MASTER_PORT": "-1"}, "MASTER_PORT must be a TCP port"),
+                                         # (a traceback from the group's store, then waited out its join timeout)
+                                         ({"RANK": "1", "WORLD_SIZE": str(2**63)}, "WORLD_SIZE must be at most 512"),
+                                         ({"RANK": "1", "MASTER_ADDR": "no-such-host.invalid"},
+                                          "MASTER_ADDR 'no-such-host.invalid' is not an address")])
 def test_worker_command_refuses_a_missing_or_wrong_rank(env, message):
     meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "2"} if env else {}
     clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
@@ -397,9 +409,12 @@ def test_serve_fails_requests_and_exits_nonzero_when_a_worker_dies(tiny_gguf_mod
         (Path(f"/proc/{workers[0]}/stat").read_text().split(")")[1].split()[0] == "Z")
 
 
-def test_tensor_parallel_size_must_be_positive(tiny_hf_model):
+def test_tensor_parallel_size_must_be_positive_and_bounded(tiny_hf_model):
     with pytest.raises(TokenmillError, match="tensor_parallel_size"):
         make_engine(tiny_hf_model("llama"), tensor_parallel_size=0)
+    # (2**63 was an OverflowError sizing the ranks' shared memory, after creating its file)
+    with pytest.raises(TokenmillError, match="tensor_parallel_size must be at most 512, got 9223372036854775808"):
+        EngineConfig(tensor_parallel_size=2**63)
 
 
 @pytest.mark.parametrize("size", [2, 0])

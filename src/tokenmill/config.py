@@ -643,6 +643,9 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.tensor_parallel_size > MAX_THREADS:   # (a process each: more than any machine's cores)
+            raise TokenmillError(f"tensor_parallel_size must be at most {MAX_THREADS}, got "
+                                 f"{self.tensor_parallel_size}")
         if self.threads is not None and self.threads > MAX_THREADS:
             raise TokenmillError(f"threads must be at most {MAX_THREADS}, got {self.threads} (this machine has "
                                  f"{os.cpu_count()} cores)")

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import batch1, longctx, peers
+from tokenmill.bench import batch1, longctx, peers, positive_seconds
 from tokenmill.bench import serve as bench_serve
 from tokenmill.bench.latency import (
     DEFAULT_DECODE_PROMPT_LEN,
@@ -110,7 +110,7 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
                    "llama.cpp with flash attention)")
     g.add_argument("--long-decode-tokens", type=int, default=longctx.DEFAULT_DECODE_TOKENS,
                    help="decode tokens timed after each long prompt")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request / per batch-1 run")
+    g.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per request / per batch-1 run")
     g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="a llama-server binary (default: $TOKENMILL_LLAMA_SERVER, else the one built into the cache)")
     g.add_argument("--build-peers", action="store_true",

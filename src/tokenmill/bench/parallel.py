@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import positive_int
 from tokenmill.bench.procs import Row, print_load, run_spawned, vm_hwm_mib
 
 COMM_SHARE_TARGET = 0.15
@@ -27,10 +28,10 @@ CONFIGS = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread
 
 
 def add_parallel_args(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    b.add_argument("--context", type=int, default=256, help="cached tokens per request")
-    b.add_argument("--steps", type=int, default=16, help="decode steps timed per point")
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
+    b.add_argument("--context", type=positive_int, default=256, help="cached tokens per request")
+    b.add_argument("--steps", type=positive_int, default=16, help="decode steps timed per point")
+    b.add_argument("--repeats", type=positive_int, default=3)
     b.add_argument("--output", default="bench-results/parallel.json")
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tokenmill import hub
-from tokenmill.bench import batch1, peers
+from tokenmill.bench import batch1, peers, positive_int
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import kv_layout
 from tokenmill.errors import TokenmillError
@@ -222,8 +222,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    "cache on CPU; auto-kv-f32 / auto-kv-int8 = auto with a float32 / int8 KV cache; bf16 = dense "
                    "bfloat16, for scale); none "
                    "(dense, --dtype) is the reference")
-    p.add_argument("--context", type=int, default=1024, help="tokens per window of the text")
-    p.add_argument("--chunk-size", type=int, default=32,
+    p.add_argument("--context", type=positive_int, default=1024, help="tokens per window of the text")
+    p.add_argument("--chunk-size", type=positive_int, default=32,
                    help="rows per step")
     p.add_argument("--output", default="bench-results/quality.json")
 

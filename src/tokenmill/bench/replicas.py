@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import positive_int, positive_seconds
 from tokenmill.bench.procs import print_load
 from tokenmill.bench.serve import (
     percentile,
@@ -52,20 +53,22 @@ KV = '{"kv_connector": "SharedMemoryConnector"}'
 
 def add_replicas_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--what", nargs="+", choices=["dp", "pd"], default=["dp", "pd"])
-    b.add_argument("--num-requests", type=int, default=48, help="requests of the uniform DP workload")
-    b.add_argument("--concurrency", type=int, default=16, help="requests in flight in the DP workloads")
-    b.add_argument("--input-len", type=int, default=192, help="prompt tokens of the uniform DP workload")
-    b.add_argument("--output-len", type=int, default=96, help="output tokens of the DP workloads")
-    b.add_argument("--prefix-groups", type=int, default=6, help="prefix-heavy workload: groups sharing a prefix")
-    b.add_argument("--group-size", type=int, default=6, help="prefix-heavy workload: requests per group")
-    b.add_argument("--prefix-len", type=int, default=384, help="prefix-heavy workload: shared prefix tokens")
-    b.add_argument("--streams", type=int, default=8, help="disaggregation: short-prompt streams decoding")
-    b.add_argument("--stream-output-len", type=int, default=160)
-    b.add_argument("--long-prompts", type=int, default=6, help="disaggregation: long prompts in the burst")
-    b.add_argument("--long-len", type=int, default=1536, help="disaggregation: tokens per long prompt")
-    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--num-requests", type=positive_int, default=48, help="requests of the uniform DP workload")
+    b.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight in the DP workloads")
+    b.add_argument("--input-len", type=positive_int, default=192, help="prompt tokens of the uniform DP workload")
+    b.add_argument("--output-len", type=positive_int, default=96, help="output tokens of the DP workloads")
+    b.add_argument("--prefix-groups", type=positive_int, default=6,
+                   help="prefix-heavy workload: groups sharing a prefix")
+    b.add_argument("--group-size", type=positive_int, default=6, help="prefix-heavy workload: requests per group")
+    b.add_argument("--prefix-len", type=positive_int, default=384, help="prefix-heavy workload: shared prefix tokens")
+    b.add_argument("--streams", type=positive_int, default=8, help="disaggregation: short-prompt streams decoding")
+    b.add_argument("--stream-output-len", type=positive_int, default=160)
+    b.add_argument("--long-prompts", type=positive_int, default=6, help="disaggregation: long prompts in the burst")
+    b.add_argument("--long-len", type=positive_int, default=1536, help="disaggregation: tokens per long prompt")
+    b.add_argument("--repeats", type=positive_int, default=2)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    b.add_argument("--timeout", type=positive_seconds, default=600.0,
+                   help="seconds per request before it counts as failed")
     b.add_argument("--output", default="bench-results/replicas.json")
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import peers
+from tokenmill.bench import peers, positive_seconds
 from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
 from tokenmill.config import engine_argv
 from tokenmill.engine.workers import free_port
@@ -58,7 +58,8 @@ def add_bench_serve_args(b: argparse.ArgumentParser) -> None:
                    "--request-rate, a cap on it")
     g.add_argument("--request-rate", type=float, default=None,
                    help="requests per second, Poisson arrivals (instead of fixed concurrency)")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    g.add_argument("--timeout", type=positive_seconds, default=600.0,
+                   help="seconds per request before it counts as failed")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="every request's sampling temperature (default 0: greedy). With a temperature, top_k "
                         "and min_p are always sent (default 0: off), so that llama-server does not add its "

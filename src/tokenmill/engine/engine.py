@@ -39,7 +39,7 @@ from tokenmill.engine.speculative import DraftModelProposer, NgramProposer, RowC
 from tokenmill.engine.workers import KVPlan, TPWorkers
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.quant import QuantWeight
-from tokenmill.models.loader import load_model, runs_quantized
+from tokenmill.models.loader import checkpoint_config, load_model, runs_quantized
 from tokenmill.sampling import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,9 @@ class LLMEngine:
             if self.device.type != "cpu":
                 raise TokenmillError(f"tensor_parallel_size {tp_size}: tensor parallelism runs on CPU (gloo) only "
                                      f"so far, not on {self.device}")
+            # a split the model's heads do not allow is refused before any rank's process starts
+            heads = checkpoint_config(ckpt)[1]
+            parallel.kv_heads_per_rank(heads.num_heads, heads.num_kv_heads, tp_size)
             self.workers = TPWorkers(ckpt.path, config, self.dtype, self.device, tp_size, threads)
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
@@ -165,6 +168,9 @@ class LLMEngine:
         else:  # the memory budget, but no more than max_num_seqs full-length requests need
             useful = config.max_num_seqs * layout.max_blocks_held(context, config.block_size, step)
             budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+            if config.kv_cache_memory is not None and budget < block_bytes:   # (100 for 100MiB was one block)
+                raise TokenmillError(f"kv_cache_memory: {budget} bytes is less than one KV block ({block_bytes} "
+                                     f"bytes: {config.block_size} tokens of every layer); sizes take units, e.g. 4GiB")
             num_blocks = max(1, min(budget // block_bytes, useful))
         check_kv_pool_size(config, num_blocks, block_bytes * kv_heads[0] // sum(kv_heads), self.device)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -176,6 +182,10 @@ class LLMEngine:
         if self.max_model_len < 1:
             raise TokenmillError(f"the KV pool ({num_blocks} blocks) is smaller than one block per KV cache group "
                                  f"({len(layout.windows)}); raise num_kv_blocks or kv_cache_memory")
+        if config.max_model_len is not None and self.max_model_len < config.max_model_len:
+            logger.warning("max_model_len %d lowered to %d: the KV pool (%d blocks) holds no longer request; raise "
+                           "kv_cache_memory or num_kv_blocks for more", config.max_model_len, self.max_model_len,
+                           num_blocks)
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, layout.windows)
         self.layout = layout

@@ -504,6 +504,8 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise TokenmillError(f"--host: {host!r} is not an address ({e.strerror})") from e
+    except UnicodeError as e:   # (a name the IDNA codec refuses: a label empty or over 63 characters)
+        raise TokenmillError(f"--host: {host!r} is not an address ({e})") from e
     sockets: list[socket.socket] = []
     for family, kind, proto, _, address in dict.fromkeys(infos):
         sock = socket.socket(family, kind, proto)

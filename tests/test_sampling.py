@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenmill.engine.request import Request, generator_seed
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling import (
     Sampler,
@@ -781,3 +782,13 @@ def test_streamed_output_equals_truncated_text(text: str, stops: list[str], cuts
     assert emitted == expected
     assert stopped == (expected_stop is not None)
     assert matcher.matched == expected_stop
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_differently() -> None:
+    """torch's CPU generator keeps only the low 32 bits of its seed: seeds 0 and 2**32 (and -1 and
+    2**32 - 1) drew the same tokens. Seeds below 2**32 still seed it as they are (outputs kept)."""
+    assert [generator_seed(s) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
+    seeds = [0, 2**32, 2**33, -1, 2**32 - 1, -(2**63), 1, 2**32 + 1, 2**63 - 1, 2**32 * 3 + 7]   # (-1 is 2**64 - 1)
+    generators = [Request("r", [1], SamplingParams(seed=s), 8, frozenset()).generator for s in seeds]
+    draws = {tuple(torch.rand(4, generator=g).tolist()) for g in generators}
+    assert len(draws) == len(seeds)

@@ -61,6 +61,16 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def generator_seed(seed: int) -> int:
+    """What a request's `seed` (-2**63 .. 2**64 - 1) seeds its torch CPU generator with. That
+    generator keeps only the low 32 bits of its seed, so seeds differing only above them (0 and
+    2**32) drew the same numbers. The high half, hashed (the top 32 bits of its product with the
+    64-bit golden-ratio constant), is mixed into the low one instead; seeds 0 .. 2**32 - 1 are kept
+    as they are. (-1 and 2**64 - 1 are one seed to torch as well.)"""
+    s = seed % 2**64
+    return (s ^ ((s >> 32) * 0x9E3779B97F4A7C15 % 2**64 >> 32)) & 0xFFFFFFFF
+
+
 @dataclass(eq=False)   # a request is itself: found in the scheduler's lists by identity, not field by field
 class Request:
     request_id: str
@@ -103,7 +113,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed))
 
     @property
     def block_ids(self) -> list[int]:

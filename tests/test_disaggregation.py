@@ -222,7 +222,7 @@ def test_shutdown_deletes_uncollected_exports(tiny_gguf_model, kv_dir):
     assert not list(kv_dir.iterdir())
 
 
-def test_refusals(engines):
+def test_refusals(engines, tiny_gguf_model):
     producer, consumer, colocated = engines
     with pytest.raises(TokenmillError, match="needs a kv_producer engine"):
         colocated.generate("hi", SamplingParams(kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
@@ -241,6 +241,10 @@ def test_refusals(engines):
             check_export(export, stream, prompts)
     check_export(export, False, 1)
     check_export(SamplingParams(), True, 3)
+    # an engine of its own without a role (`tokenmill generate --kv-transfer-config ...`) was a plain
+    # engine, the setting silently ignored
+    with pytest.raises(TokenmillError, match="without a kv_role it describes `tokenmill serve`'s pair"):
+        LLM(str(tiny_gguf_model("llama")), **_settings(kv_transfer_config=KV))
 
 
 def test_an_export_checks_max_tokens_then_ends_after_one_token(engines, kv_dir):

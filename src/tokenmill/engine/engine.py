@@ -119,6 +119,10 @@ class LLMEngine:
         """`draft`: the engine of the draft model, for speculative_config's method draft_model (its
         scheduler is unused: the speculator runs its model on shadow requests)."""
         self.config = config
+        if config.kv_transfer_config is not None and config.kv_transfer_config.kv_role is None:   # (was ignored)
+            raise TokenmillError("kv_transfer_config: without a kv_role it describes `tokenmill serve`'s pair of "
+                                 "engines (one prefills, one decodes); an engine of its own takes kv_role "
+                                 "kv_producer or kv_consumer")
         tp_size = config.tensor_parallel_size
         threads = config.threads if config.threads is not None or tp_size == 1 else cores_per_process(tp_size)
         if threads is not None:

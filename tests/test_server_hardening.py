@@ -219,7 +219,11 @@ def test_serve_refuses_bad_server_flags(capsys, default_gguf_path, monkeypatch):
                         # and (`--api-key "$KEY"`) served without a key, though TOKENMILL_API_KEY is set
                         (["--api-key", ""], "--api-key: must not be empty or begin or end with spaces"),
                         (["--api-key", " "], "--api-key: must not be empty"),
-                        (["--api-key", "key "], "--api-key: must not be empty or begin or end with spaces")):
+                        (["--api-key", "key "], "--api-key: must not be empty or begin or end with spaces"),
+                        # before the socket opens (they failed once the engine loaded, after "serving")
+                        (["--dtype", "foo"], "dtype: 'foo' is not supported"),
+                        (["--dtype", "float16", "--device", "cpu"], "dtype: float16 is not supported on CPU"),
+                        (["--device", "tpu"], "device: 'tpu' is not a valid torch device")):
         assert main(["serve", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"tokenmill: error: {words}") and "Traceback" not in err, err

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import MAX_PORT, EngineConfig, cores_per_process
+from tokenmill.config import MAX_PORT, EngineConfig, cores_per_process, resolve_device, resolve_dtype
 from tokenmill.errors import TokenmillError
 from tokenmill.server.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -95,6 +95,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header
     # (a hub id is looked up, or downloaded, now).
     engine_config = EngineConfig(model=model, **engine_args)
+    resolve_dtype(engine_config.dtype, resolve_device(engine_config.device))   # (the engine resolves them again)
     roles = replica_roles(args.data_parallel_size, engine_config)
     if roles and engine_config.threads is None:
         engine_args = {**engine_args, "threads": cores_per_process(len(roles))}

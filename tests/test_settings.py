@@ -209,3 +209,12 @@ def test_hub_id_errors_are_one_line(hub_cache, model, words):
 def test_settings_of_the_wrong_type_name_themselves(setting, value):
     with pytest.raises(TokenmillError, match=setting):
         EngineConfig(**{setting: value})
+
+
+def test_python_values_for_paths_dtypes_and_devices_are_taken(tiny_hf_model):
+    """A Path, torch.float32 and torch.device("cpu") were refused ("must be str") though they name
+    what the strings do."""
+    config = EngineConfig(model=tiny_hf_model("llama"), dtype=torch.float32, device=torch.device("cpu"))
+    assert (config.model, config.dtype, config.device) == (str(tiny_hf_model("llama")), "float32", "cpu")
+    llm = LLM(tiny_hf_model("llama"), dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert llm.engine.dtype == torch.bfloat16 and llm.engine.device == torch.device("cpu")

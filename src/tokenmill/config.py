@@ -625,6 +625,14 @@ class EngineConfig:
     show_progress: bool = setting(False, "progress bars while loading", cli=False)
 
     def __post_init__(self) -> None:
+        # what Python callers hold (a Path, torch.float32, torch.device("cpu")) as the names the CLI takes
+        for name in ("model", "tokenizer", "chat_template"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
         for f in fields(self):   # the types ints and sizes are not checked for below
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool) or \

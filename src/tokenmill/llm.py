@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,7 +28,7 @@ class LLM:
     """Load a model (a .gguf file, an HF folder, a Hugging Face id, or None for the embedded
     default) and generate."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any):
+    def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any):
         """`engine_args`: the fields of EngineConfig (`tokenizer`, `dtype`, `max_num_seqs`, ...)."""
         self.engine, self.inputs = load_engine(model, **engine_args)
         self.tokenizer: Tokenizer = self.inputs.tokenizer

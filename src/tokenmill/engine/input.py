@@ -12,6 +12,7 @@ one input processor).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,14 +146,14 @@ class InputProcessor:
         return text, self.tokenizer.encode(text, add_special_tokens=not has_bos)
 
 
-def load_engine(model: str | None = None, **engine_args: Any) -> tuple[LLMEngine, InputProcessor]:
+def load_engine(model: str | os.PathLike | None = None, **engine_args: Any) -> tuple[LLMEngine, InputProcessor]:
     """Load `model` (a .gguf file, an HF folder, a hub id, or None for the embedded default) with
     `engine_args` (the fields of EngineConfig): the engine and its input processor."""
     try:
         config = EngineConfig(model=model, **engine_args)
     except TypeError as e:
         raise TokenmillError(f"engine settings: {e}") from e
-    ckpt, tokenizer, generation_config, eos = _open_model(model, config)
+    ckpt, tokenizer, generation_config, eos = _open_model(config.model, config)
     draft = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tokenmill.cli import main
+from tokenmill.cli import build_parser, main
 
 
 def test_throughput_bench_writes_every_row(tiny_hf_model, tmp_path, capsys):
@@ -92,3 +92,15 @@ def test_bench_counts_and_time_limits_are_refused_when_the_flags_are_read(argv, 
         main(["bench", *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.rstrip().endswith(words) and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["latency", "throughput", "quality", "roofline", "spec", "compare"])
+def test_bench_output_is_checked_when_the_flags_are_read(command, tmp_path, capsys):
+    """A folder given as --output failed with a traceback once the benchmark had run (its results lost)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", command, "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.rstrip().endswith(f"argument --output: {tmp_path} is a folder, not a file")
+    nested = tmp_path / "new" / "folder" / "out.json"   # (its folder is made then)
+    args = build_parser().parse_args(["bench", command, "--output", str(nested)])
+    assert args.output == str(nested) and nested.parent.is_dir()

@@ -211,12 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "bench", help="benchmarks (print a table, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)
-    from tokenmill.bench import latency
+    from tokenmill.bench import latency, output_file
     b = _command(bench, "latency", help="batch-1 load time, TTFT and decode speed vs transformers")
     add_engine_args(b)
     latency.add_batch1_args(b)
     b.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
-    b.add_argument("--output", default="bench-results/latency.json")
+    b.add_argument("--output", type=output_file, default="bench-results/latency.json")
     b.set_defaults(func=cmd_bench)
 
     from tokenmill.bench import throughput
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers static batch sizes to try (e.g. 8 16 32); the best is reported")
     b.add_argument("--skip-ablations", action="store_true",
                    help="one tokenmill row, with the engine flags as given (no leave-one-out table)")
-    b.add_argument("--output", default="bench-results/throughput.json")
+    b.add_argument("--output", type=output_file, default="bench-results/throughput.json")
     b.set_defaults(func=throughput.cmd_throughput)
 
     from tokenmill.bench import roofline

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import batch1, longctx, peers, positive_seconds
+from tokenmill.bench import batch1, longctx, output_file, peers, positive_seconds
 from tokenmill.bench import serve as bench_serve
 from tokenmill.bench.latency import (
     DEFAULT_DECODE_PROMPT_LEN,
@@ -118,7 +118,7 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-types", nargs="*", default=[], choices=peers.QUANT_TYPES, metavar="TYPE",
                    help=f"also the batch-1 rows on the model requantized by llama-quantize to each TYPE "
                    f"({' '.join(peers.QUANT_TYPES)})")
-    b.add_argument("--output", default="bench-results/compare.json")
+    b.add_argument("--output", type=output_file, default="bench-results/compare.json")
 
 
 # ---- concurrent load --------------------------------------------------------------------------------

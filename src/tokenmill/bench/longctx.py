@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import batch1, peers, positive_seconds
+from tokenmill.bench import batch1, output_file, peers, positive_seconds
 from tokenmill.bench.procs import load_average, print_load, run_bare, run_spawned
 from tokenmill.bench.workload import context_for, make_prompts
 from tokenmill.errors import TokenmillError
@@ -50,7 +50,7 @@ def add_longctx_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
                    help="seconds for each engine's whole run")
-    b.add_argument("--output", default="bench-results/longctx.json")
+    b.add_argument("--output", type=output_file, default="bench-results/longctx.json")
 
 
 def long_context_copy(model: str, context: int) -> str:

@@ -30,7 +30,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import positive_seconds
+from tokenmill.bench import output_file, positive_seconds
 from tokenmill.bench.procs import load_average, print_load
 from tokenmill.bench.structured import spread_stat
 from tokenmill.errors import TokenmillError
@@ -54,7 +54,7 @@ def add_monitor_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="output tokens per request")
     g.add_argument("--interval", type=positive_seconds, default=None,
                    help="seconds between frames while watched (default: the server's)")
-    b.add_argument("--output", default="bench-results/monitor.json")
+    b.add_argument("--output", type=output_file, default="bench-results/monitor.json")
 
 
 @contextmanager

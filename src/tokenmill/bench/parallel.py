@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import positive_int
+from tokenmill.bench import output_file, positive_int
 from tokenmill.bench.procs import Row, print_load, run_spawned, vm_hwm_mib
 
 COMM_SHARE_TARGET = 0.15
@@ -32,7 +32,7 @@ def add_parallel_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--context", type=positive_int, default=256, help="cached tokens per request")
     b.add_argument("--steps", type=positive_int, default=16, help="decode steps timed per point")
     b.add_argument("--repeats", type=positive_int, default=3)
-    b.add_argument("--output", default="bench-results/parallel.json")
+    b.add_argument("--output", type=output_file, default="bench-results/parallel.json")
 
 
 def measure_config(model: str | None, flags: dict[str, Any], batch_sizes: list[int], context: int, steps: int,

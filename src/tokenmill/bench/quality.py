@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tokenmill import hub
-from tokenmill.bench import batch1, peers, positive_int
+from tokenmill.bench import batch1, output_file, peers, positive_int
 from tokenmill.checkpoint import open_checkpoint
 from tokenmill.engine.kv_cache import kv_layout
 from tokenmill.errors import TokenmillError
@@ -225,7 +225,7 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=positive_int, default=1024, help="tokens per window of the text")
     p.add_argument("--chunk-size", type=positive_int, default=32,
                    help="rows per step")
-    p.add_argument("--output", default="bench-results/quality.json")
+    p.add_argument("--output", type=output_file, default="bench-results/quality.json")
 
 
 def cmd_quality(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import positive_int, positive_seconds
+from tokenmill.bench import output_file, positive_int, positive_seconds
 from tokenmill.bench.procs import print_load
 from tokenmill.bench.serve import (
     percentile,
@@ -69,7 +69,7 @@ def add_replicas_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--timeout", type=positive_seconds, default=600.0,
                    help="seconds per request before it counts as failed")
-    b.add_argument("--output", default="bench-results/replicas.json")
+    b.add_argument("--output", type=output_file, default="bench-results/replicas.json")
 
 
 def _metric(text: str, name: str, replica: str | None) -> float:

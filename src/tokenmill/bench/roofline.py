@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench import batch1
+from tokenmill.bench import batch1, output_file
 from tokenmill.bench.latency import stream_gen
 from tokenmill.bench.workload import batch1_prompts
 from tokenmill.config import ModelConfig
@@ -282,7 +282,7 @@ def add_roofline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-len", type=int, default=512, help="prompt length of the prefill row")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 repeats (prefill, decode; the median is reported)")
-    p.add_argument("--output", default="bench-results/roofline.json")
+    p.add_argument("--output", type=output_file, default="bench-results/roofline.json")
 
 
 def cmd_roofline(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import output_file
 from tokenmill.errors import TokenmillError
 
 DEFAULT_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -37,7 +38,7 @@ def add_scaling_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--context-batches", type=int, nargs="+", default=DEFAULT_CONTEXT_BATCHES,
                    help="batch sizes of the context sweep")
     b.add_argument("--steps", type=int, default=8, help="decode steps timed per point")
-    b.add_argument("--output", default="bench-results/scaling.json")
+    b.add_argument("--output", type=output_file, default="bench-results/scaling.json")
 
 
 def run_scaling(args: argparse.Namespace) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import peers, positive_seconds
+from tokenmill.bench import output_file, peers, positive_seconds
 from tokenmill.bench.workload import check_range, context_for, make_lengths, make_prompts
 from tokenmill.config import engine_argv
 from tokenmill.engine.workers import free_port
@@ -80,7 +80,7 @@ def add_bench_serve_args(b: argparse.ArgumentParser) -> None:
                    help="llama-server -np (parallel slots)")
     g.add_argument("--llama-server-args", default="", help="more llama-server arguments, e.g. \"-t 2\"")
     g.add_argument("--api-key", default=None, help="Bearer key for --base-url targets")
-    b.add_argument("--output", default="bench-results/serve.json")
+    b.add_argument("--output", type=output_file, default="bench-results/serve.json")
 
 
 # ---- one request ---------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import peers, positive_seconds
+from tokenmill.bench import output_file, peers, positive_seconds
 from tokenmill.bench import serve as bench_serve
 from tokenmill.bench.procs import load_average, print_load
 from tokenmill.bench.structured import chat_requests, spread_stat
@@ -129,7 +129,7 @@ def add_spec_args(b: argparse.ArgumentParser) -> None:
                    help=f"llama-server's speculative flags for its ngram mode (default: {DEFAULT_LLAMA_SPEC!r}; "
                    "--spec-draft-n-max is added)")
     g.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per llama-server request")
-    b.add_argument("--output", default="bench-results/spec.json")
+    b.add_argument("--output", type=output_file, default="bench-results/spec.json")
 
 
 def messages(workload: str, n: int, run: int) -> list[list[dict[str, str]]]:

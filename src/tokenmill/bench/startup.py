@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import batch1, peers
+from tokenmill.bench import batch1, output_file, peers
 from tokenmill.bench.procs import load_average, print_load, run_bare, timed_command
 from tokenmill.errors import TokenmillError
 
@@ -69,7 +69,7 @@ def add_startup_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     b.add_argument("--skip-first-ever", action="store_true",
                    help="skip the run with an empty cache folder (it compiles the kernels: minutes on 2 cores)")
-    b.add_argument("--output", default="bench-results/startup.json")
+    b.add_argument("--output", type=output_file, default="bench-results/startup.json")
 
 
 def _tokenmill_command(model: str, args: argparse.Namespace, *extra: str) -> list[str]:

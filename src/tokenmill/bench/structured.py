@@ -48,7 +48,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench import peers, positive_seconds
+from tokenmill.bench import output_file, peers, positive_seconds
 from tokenmill.bench import serve as bench_serve
 from tokenmill.bench.procs import load_average, print_load
 from tokenmill.bench.schemas import SCHEMAS, SchemaCase
@@ -88,7 +88,7 @@ def add_structured_args(b: argparse.ArgumentParser) -> None:
     g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="a llama-server binary (default: $TOKENMILL_LLAMA_SERVER, else the one built into the cache)")
     g.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per llama-server request")
-    b.add_argument("--output", default="bench-results/structured.json")
+    b.add_argument("--output", type=output_file, default="bench-results/structured.json")
 
 
 # ---- numbers ----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ builds Gemma 3 faithfully: layer types, rope bases 1e6 / 1e4, query_pre_attn_sca
 stored as 1 + w; test_gemma3_matches_transformers checks its config first). Measured on 2 shared
 cores: prompt logits of the dequantized path within 4e-5 of transformers (3e-4 on a 700-token
 prompt that crosses the 512-token sliding window), greedy tokens identical. Most of the time is
-transformers reading the file: the `gguf` package's GGUFReader takes ~20 s over this 262k-token
+transformers reading the file: the `gguf` package's GGUFReader is slow over this 262k-token
 vocabulary, and transformers constructs one for the config, the weights and the tokenizer each, so
 the tests hand it one reader for the file (`_one_gguf_parse`).
 """

@@ -137,9 +137,14 @@ def test_chat_template_as_a_string_or_a_file(tiny_hf_model, tmp_path):
     (tmp_path / "empty.jinja").write_text("", encoding="utf-8")
     for bad, words in (('{{ raise_exception("boom") }}', "the chat_template setting failed: boom"),
                        ("{{ messages[0].nosuch.attr }}", "the chat_template setting failed: .*nosuch"),
-                       (str(tmp_path / "empty.jinja"), "renders a one-message conversation as no text")):
+                       (str(tmp_path / "empty.jinja"), "renders a conversation as no text")):
         with pytest.raises(TokenmillError, match=f"{words}.*tried at load"):
             LLM(path, dtype="float32", chat_template=bad)
+    # one that requires a system message first is taken
+    system_first = ("{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+                    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    llm = LLM(path, dtype="float32", chat_template=system_first)
+    assert llm.chat_prompt([{"role": "system", "content": "s"}, *messages], True)[0] == "<system>s<user>hi"
 
 
 # ---- Hugging Face ids, from a hub cache laid out by hand ------------------------------------------------

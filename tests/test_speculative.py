@@ -328,7 +328,7 @@ def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     assert eng.speculator.stats.num_draft_tokens == drafted[0.05]
 
 
-def test_a_drafts_catch_up_rows_run_as_one_decode_step(tiny_gguf_model, monkeypatch):
+def test_a_drafts_catch_up_rows_run_as_one_decode_step(tiny_gguf_model, tiny_hf_model, poor_draft, monkeypatch):
     """A draft's catch-up (its requests' few uncomputed rows: at most num_speculative_tokens + 2 in
     a steady step) enters attention as single-query entries, as verification does, so the step is
     a decode step, the whole stack in one C call, with the logits of the multi-row prefill path;
@@ -363,6 +363,9 @@ def test_a_drafts_catch_up_rows_run_as_one_decode_step(tiny_gguf_model, monkeypa
     torch.testing.assert_close(logits[4], logits[0], atol=4e-3, rtol=0)
     torch.testing.assert_close(logits[3], logits[0], atol=4e-3, rtol=0)
     assert not torch.equal(logits[0][0], logits[0][1])   # (rows that differ: a comparison that can fail)
+    # the draft's runner is the one set so (num_speculative_tokens 3 here), the target's keeps its prompt rows
+    spec = engine(tiny_hf_model("llama"), draft=poor_draft)
+    assert (spec.speculator.proposer.runner.single_query_rows, spec.runner.single_query_rows) == (5, 0)
 
 
 def test_speculative_config_is_vllms_dict_or_its_json():

@@ -73,7 +73,7 @@ def test_grammar_masks_ban_exactly_the_disallowed_tokens(vocab_size):
 def test_twenty_schemas_ten_samples_each_at_temperature_one_all_validate(llm):
     """200 constrained samples at temperature 1.0, all submitted at once (batched together): each
     parses and validates. Three samples per schema of the same requests unconstrained are counted
-    for contrast (a third of the test's time at ten)."""
+    for contrast."""
     # (no keyword bounds log_entry's free-form map, nor comment_thread's recursion)
     cases = [case._replace(schema=bounded(case.schema)) for case in SCHEMAS
              if case.name not in ("log_entry", "comment_thread")]

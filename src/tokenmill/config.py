@@ -553,6 +553,11 @@ MAX_THREADS = 512
 """The most threads a process may ask for (ggml's GGML_MAX_N_THREADS too): far past any machine's
 cores, and short of where OpenMP's runtime fails to start its threads (it crashes the process)."""
 
+MAX_PROCESSES = 512
+"""The most engine processes one setting may ask for (tensor-parallel ranks, WORLD_SIZE, data-parallel
+replicas): each holds its part of a model, so far more than a deployment runs; it keeps a mistyped
+count from starting processes without end or overflowing the sizes derived from it."""
+
 
 def setting(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
             cli: bool = True) -> Any:
@@ -651,8 +656,8 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        if self.tensor_parallel_size > MAX_THREADS:   # (a process each: more than any machine's cores)
-            raise TokenmillError(f"tensor_parallel_size must be at most {MAX_THREADS}, got "
+        if self.tensor_parallel_size > MAX_PROCESSES:
+            raise TokenmillError(f"tensor_parallel_size must be at most {MAX_PROCESSES}, got "
                                  f"{self.tensor_parallel_size}")
         if self.threads is not None and self.threads > MAX_THREADS:
             raise TokenmillError(f"threads must be at most {MAX_THREADS}, got {self.threads} (this machine has "

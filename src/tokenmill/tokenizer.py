@@ -105,19 +105,25 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def set_chat_template(self, template: str, origin: str) -> None:
-        """Use `template` instead of the model's; compiled and tried on a one-message conversation
-        now, so a syntax error or a template that cannot render (an empty file, a raise_exception
-        it always reaches) names `origin` ("the chat_template setting") at load, not as every chat
+        """Use `template` instead of the model's; compiled and tried now on a user message (and, if
+        that fails, on a system message before it, which some templates require), so a syntax
+        error or a template that cannot render (an empty file, a raise_exception it always
+        reaches) names `origin` ("the chat_template setting") at load, not as every chat
         request's error."""
         compiled = compile_chat_template(template, origin)
         previous = self._compiled, self.chat_template, self._template_origin
         self._compiled, self.chat_template, self._template_origin = (template, compiled), template, origin
+        user = {"role": "user", "content": "Hello"}
         try:
-            if not self.apply_chat_template([{"role": "user", "content": "Hello"}]).strip():
-                raise TokenmillError(f"{origin} renders a one-message conversation as no text")
+            try:
+                text = self.apply_chat_template([user])
+            except TokenmillError:
+                text = self.apply_chat_template([{"role": "system", "content": "Be brief."}, user])
+            if not text.strip():
+                raise TokenmillError(f"{origin} renders a conversation as no text")
         except TokenmillError as e:
             self._compiled, self.chat_template, self._template_origin = previous
-            raise TokenmillError(f"{e} (tried at load on a one-message conversation)") from e
+            raise TokenmillError(f"{e} (tried at load on a short conversation)") from e
 
     def apply_chat_template(
         self,

@@ -54,7 +54,7 @@ import torch
 
 from tokenmill import parallel
 from tokenmill.cache import SHARED_MEMORY_DIR
-from tokenmill.config import MAX_PORT, MAX_THREADS
+from tokenmill.config import MAX_PORT, MAX_PROCESSES
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,18 @@ class Rendezvous:
             raise TokenmillError(f"MASTER_PORT, WORLD_SIZE and RANK must be integers: {e}") from e
         if not 1 <= port <= MAX_PORT:
             raise TokenmillError(f"MASTER_PORT must be a TCP port (1..{MAX_PORT}), got {port}")
-        if size > MAX_THREADS:   # (as tensor_parallel_size: a process each)
-            raise TokenmillError(f"WORLD_SIZE must be at most {MAX_THREADS}, got {size}")
+        if size > MAX_PROCESSES:
+            raise TokenmillError(f"WORLD_SIZE must be at most {MAX_PROCESSES}, got {size}")
         if not (0 <= rank < size):
             raise TokenmillError(f"RANK {rank} is not one of WORLD_SIZE {size}'s ranks 0..{size - 1}")
         host = env["MASTER_ADDR"]
-        try:   # (at once: the group's store would retry a name that does not resolve until its timeout)
+        try:
             socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as e:
+        except UnicodeError as e:   # (a name no resolver could ever take: a label empty or too long)
             raise TokenmillError(f"MASTER_ADDR {host!r} is not an address ({e})") from e
+        except socket.gaierror as e:   # (maybe not yet: a service name published as its pods start)
+            logger.warning("MASTER_ADDR %r does not resolve (%s); the group's store retries it until the join "
+                           "timeout", host, e.strerror)
         return Rendezvous(host, port, size), rank
 
 

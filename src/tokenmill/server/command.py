@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import MAX_PORT, EngineConfig, cores_per_process, resolve_device, resolve_dtype
+from tokenmill.config import MAX_PORT, MAX_PROCESSES, EngineConfig, cores_per_process, resolve_device, resolve_dtype
 from tokenmill.errors import TokenmillError
 from tokenmill.server.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -53,10 +53,8 @@ def replica_roles(data_parallel_size: int, config: EngineConfig) -> list[str]:
     [] for a single engine in this process."""
     if data_parallel_size < 1:
         raise TokenmillError(f"--data-parallel-size: must be >= 1, got {data_parallel_size}")
-    cores = os.cpu_count() or 1
-    if data_parallel_size > cores:   # (each replica is an engine process: a model's memory and its threads)
-        raise TokenmillError(f"--data-parallel-size: at most one replica per core, and this machine has {cores}; "
-                             f"got {data_parallel_size}")
+    if data_parallel_size > MAX_PROCESSES:
+        raise TokenmillError(f"--data-parallel-size: must be at most {MAX_PROCESSES}, got {data_parallel_size}")
     kv = config.kv_transfer_config
     if kv is None or kv.kv_role is not None:   # (an engine in one role: someone else's proxy pairs it)
         return ["both"] * data_parallel_size if data_parallel_size > 1 else []
@@ -88,6 +86,13 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError("--served-model-name: must not be empty")
     if not args.host.strip():   # (an unset variable, `--host "$HOST"`, would otherwise open every interface)
         raise TokenmillError("--host: must not be empty (0.0.0.0 listens on every interface)")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        # empty (`--api-key "$UNSET"`, or the variable exported empty) would serve without a key;
+        # spaces around it: no client could send it
+        where = "--api-key" if args.api_key is not None else API_KEY_ENV
+        raise TokenmillError(f"{where}: must not be empty or begin or end with spaces (unset {API_KEY_ENV} and "
+                             f"give no --api-key to serve without a key)")
     if not args.shutdown_timeout >= 0:   # (written so that NaN is refused too)
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:
@@ -101,11 +106,6 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         engine_args = {**engine_args, "threads": cores_per_process(len(roles))}
     path = resolve_model(model)
     open_checkpoint(path)
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
-        # empty: `--api-key "$UNSET"` would serve without a key; spaces around it: no client could send it
-        where = "--api-key" if args.api_key is not None else API_KEY_ENV
-        raise TokenmillError(f"{where}: must not be empty or begin or end with spaces")
     # a file or folder by its name, a hub id as given (as vLLM names it)
     served_name = args.served_model_name or (Path(model).name if Path(model).expanduser().exists() else model)
     config = ServerConfig(model=path, served_model_name=served_name,

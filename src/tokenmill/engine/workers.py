@@ -106,13 +106,10 @@ class Rendezvous:
         if not (0 <= rank < size):
             raise TokenmillError(f"RANK {rank} is not one of WORLD_SIZE {size}'s ranks 0..{size - 1}")
         host = env["MASTER_ADDR"]
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except UnicodeError as e:   # (a name no resolver could ever take: a label empty or too long)
+        try:   # a name no resolver could ever take (a label empty or too long), without a lookup: one
+            host.encode("idna")   # that does not resolve yet is the group's store's to retry (and log)
+        except UnicodeError as e:
             raise TokenmillError(f"MASTER_ADDR {host!r} is not an address ({e})") from e
-        except socket.gaierror as e:   # (maybe not yet: a service name published as its pods start)
-            logger.warning("MASTER_ADDR %r does not resolve (%s); the group's store retries it until the join "
-                           "timeout", host, e.strerror)
         return Rendezvous(host, port, size), rank
 
 

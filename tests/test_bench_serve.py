@@ -104,6 +104,35 @@ def test_a_token_that_renders_as_nothing_still_counts_as_streamed():
     assert not nothing.ok and nothing.error == "no token streamed"
 
 
+def test_stream_lines_end_only_at_cr_and_lf():
+    """A peer's JSON may hold U+2028, U+2029 or U+0085 raw (llama-server's does): SSE ends lines only
+    at CR, LF and CRLF, so they stay inside their `data:` line; chunks may split anywhere, a CRLF too."""
+    import asyncio
+
+    import httpx
+
+    from tokenmill.bench.serve import stream_request
+
+    texts = ["a\u2028", "\u2029b", "\x85", "c"]
+    events = [json.dumps({"choices": [{"text": t, "index": 0, "finish_reason": None}]}, ensure_ascii=False)
+              for t in texts]
+    body = "".join(f"data: {e}\r\n\r\n" for e in events) + "data: [DONE]\r\n\r\n"
+    raw = body.encode()
+    pieces = [raw[i:i + 7] for i in range(0, len(raw), 7)]   # splits characters and CRLFs too
+
+    async def chunks():
+        for piece in pieces:
+            yield piece
+
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=chunks()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_request(client, "http://peer/v1/completions", "m", [1, 2], 4, {}, 10.0)
+
+    streamed = asyncio.run(go())
+    assert streamed.error is None and streamed.ok and streamed.output_tokens == 4
+
+
 def test_requests_carry_the_asked_sampling():
     """Greedy by default; with --temperature, temperature, top_p, top_k and min_p, the filters sent
     even when off (so a llama-server does not add its own default filters)."""

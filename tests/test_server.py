@@ -563,3 +563,19 @@ def test_serve_exits_with_one_line_when_the_model_fails_to_load(tiny_gguf_model)
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("tokenmill: error: max_model_len (999999)") and "Traceback" not in r.stderr
+
+
+def test_stream_lines_split_only_where_events_end(server, model_name):
+    """Python's str.splitlines (and so httpx's iter_lines) also ends a line at U+0085, U+2028 and
+    U+2029, which a JSON string may hold raw: the stream escapes them, so a text that holds them (here
+    echoed; a sampled token can make one too) does not cut a `data:` line in two for such clients."""
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.base + "/v1/completions", json=body,
+                                                 headers=auth(KEY)) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks).startswith(prompt)

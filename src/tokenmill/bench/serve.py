@@ -25,11 +25,13 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ DEFAULT_CONCURRENCY = [1, 8, 32]
 DEFAULT_LLAMA_SERVER_SLOTS = 64
 SERVER_START_TIMEOUT_S = 600.0
 PERCENTILES = (50, 90, 99)
+SSE_LINE_END = re.compile("\r\n|\r|\n")
 
 
 def add_bench_serve_args(b: argparse.ArgumentParser) -> None:
@@ -106,6 +109,18 @@ def sampling_fields(temperature: float, top_p: float = 1.0, top_k: int = 0, min_
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
 
 
+async def sse_lines(response: Any) -> AsyncIterator[str]:
+    """A Server-Sent Events stream's lines, ended at CRLF, LF or CR only, as SSE says (httpx's
+    aiter_lines also ends them at U+0085, U+2028 and U+2029, which a server's JSON may hold raw)."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = SSE_LINE_END.split(rest + text)
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
 async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,
                          headers: dict[str, str], timeout: float,
                          sampling: dict[str, float] | None = None) -> RequestResult:
@@ -124,7 +139,7 @@ async def stream_request(client: Any, url: str, model: str, prompt: list[int], o
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -478,8 +478,13 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+# Characters that JSON keeps raw in a string but Python's str.splitlines (and so httpx's
+# iter_lines, a common way to read a stream) ends a line at; SSE itself ends lines only at CR and LF.
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS_IN_JSON)}\n\n"
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -295,8 +295,9 @@ def test_proposal_cost_is_learned_per_proposed_token():
 def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     """The engine teaches ProposalCost the time of each step's proposing. A proposer that always
     proposes the right tokens (the greedy continuation, read from a plain run) and costs nothing goes
-    on proposing; the same proposer made slow (50 ms a call: tens of one-row steps of this model) is
-    learned as so dear that its requests stop proposing, probes included."""
+    on proposing; the same proposer made slow (50 ms a call: ten steps, each held at 5 ms so that the
+    ratio does not move with the machine's load) is learned as so dear that its requests stop
+    proposing, probes included."""
     target = tiny_hf_model("llama")
     prompt = [5, 6, 7, 8] * 6
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -319,6 +320,8 @@ def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     for delay in (0.0, 0.05):
         eng = make_engine(target, speculative_config=NGRAM)
         pin_row_cost(eng, monkeypatch)
+        observe_step = eng.speculator.observe_step
+        monkeypatch.setattr(eng.speculator, "observe_step", lambda rows, seconds: observe_step(rows, 0.005))
         eng.speculator.proposer = Oracle(delay)
         assert run(eng, [prompt], params)[0].output_token_ids == continuation
         drafted[delay] = eng.speculator.stats.num_draft_tokens

@@ -320,8 +320,8 @@ def test_a_dear_proposer_stops_speculating(monkeypatch, tiny_hf_model):
     for delay in (0.0, 0.05):
         eng = make_engine(target, speculative_config=NGRAM)
         pin_row_cost(eng, monkeypatch)
-        observe_step = eng.speculator.observe_step
-        monkeypatch.setattr(eng.speculator, "observe_step", lambda rows, seconds: observe_step(rows, 0.005))
+        monkeypatch.setattr(eng.speculator, "observe_step",
+                            lambda rows, seconds, observe=eng.speculator.observe_step: observe(rows, 0.005))
         eng.speculator.proposer = Oracle(delay)
         assert run(eng, [prompt], params)[0].output_token_ids == continuation
         drafted[delay] = eng.speculator.stats.num_draft_tokens

@@ -27,6 +27,7 @@ from tokenmill.server.frontend import AggregatedMetrics, routing_text
 from tokenmill.server.router import CHUNK_CHARS, CacheAwareRouter, chunk_keys
 
 FLAGS = ["--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--num-kv-blocks", "96"]
+APP_ORIGIN = "http://app.example"
 
 
 # --- the router alone ------------------------------------------------------------------------------
@@ -200,7 +201,8 @@ def health(base: str) -> dict:
 @pytest.fixture(scope="module")
 def servers(default_gguf_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("dp")
-    dp = Server([str(default_gguf_path), *FLAGS, "--data-parallel-size", "2"], logs / "dp2.log")
+    dp = Server([str(default_gguf_path), *FLAGS, "--data-parallel-size", "2", "--allowed-origins", APP_ORIGIN],
+                logs / "dp2.log")
     single = Server([str(default_gguf_path), *FLAGS], logs / "dp1.log")
     with running(dp, None), running(single, None):
         yield dp, single
@@ -344,6 +346,25 @@ def test_a_replica_that_cannot_load_fails_the_server(default_gguf_path, tmp_path
     assert code == 1
     log = s.log()
     assert "exceeds the model's context length" in log and "before it was ready" in log
+
+
+@pytest.mark.slow
+def test_the_front_end_answers_cross_origin_requests_once(servers):
+    """CORS is the front end's: it answers the preflight, and a relayed answer carries its header
+    once; the replicas, which only it talks to (on ports of their own), allow no other origin."""
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.frontend import replica_config
+
+    config = ServerConfig(model="m.gguf", served_model_name="m", allowed_origins=[APP_ORIGIN],
+                          engine_args={"kv_transfer_config": {"kv_connector": "SharedMemoryConnector"}})
+    assert replica_config(config, "both").allowed_origins == [] == replica_config(config, "prefill").allowed_origins
+    dp, _ = servers
+    r = httpx.options(dp.base + "/v1/completions", headers={"Origin": APP_ORIGIN,
+                                                            "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    r = httpx.post(dp.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers={"Origin": APP_ORIGIN},
+                   timeout=60)
+    assert r.status_code == 200 and r.headers.get_list("access-control-allow-origin") == [APP_ORIGIN]
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ model for the SIGTERM drain (the tiny model would finish any request before the 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import http.client
 import json
@@ -252,6 +253,90 @@ def test_serve_on_a_port_in_use_or_a_foreign_address_is_one_error_before_loading
             errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
             assert len(errors) == 1 and errors[0].startswith(f"tokenmill: error: {words}"), r.stderr
             assert "serving" not in r.stderr and "memory plan" not in r.stderr
+
+
+# ---- cross-origin requests (CORS) --------------------------------------------------------------------
+
+APP_ORIGIN = "http://app.example:3000"
+
+
+def preflight(base: str, origin: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.options(base + path, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                               "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+@pytest.fixture(scope="module")
+def cors_server(tiny_gguf_model):
+    config = ServerConfig(model=str(tiny_gguf_model("llama")), served_model_name="tiny", api_key="k",
+                          engine_args={"dtype": "float32", "device": "cpu"}, allowed_origins=[APP_ORIGIN])
+    s = ThreadServer(create_app(config))
+    try:
+        assert wait_for(lambda: httpx.get(s.base + "/health").status_code == 200, 60)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_no_cross_origin_access_unless_allowed(inproc):
+    """By default a page of another origin gets no CORS header, so its visitor's browser neither
+    sends its request (the preflight fails) nor lets it read an answer."""
+    r = preflight(inproc.base, APP_ORIGIN)
+    assert "access-control-allow-origin" not in r.headers and r.status_code == 405
+    r = httpx.post(inproc.base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                   headers={"Origin": APP_ORIGIN})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_allowed_origins_get_preflights_and_headers_on_every_answer(cors_server):
+    base = cors_server.base
+    # the preflight is answered without the key (a browser sends none with it), for the allowed origin only
+    r = preflight(base, APP_ORIGIN)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = preflight(base, "http://elsewhere.example")
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    # answers carry the header: a stream, a list, and an error (so that the page can read why)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body,
+                      headers={"Origin": APP_ORIGIN, "Authorization": "Bearer k"}) as r:
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    r = httpx.get(base + "/v1/models", headers={"Origin": APP_ORIGIN, "Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    r = httpx.post(base + "/v1/completions", json=body, headers={"Origin": APP_ORIGIN})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    r = httpx.get(base + "/v1/models", headers={"Origin": "http://elsewhere.example", "Authorization": "Bearer k"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_flags_take_words_or_a_json_list_and_refuse_what_never_matches(capsys):
+    from tokenmill.server.command import add_serve_args, cors_settings
+
+    def settings(*argv: str) -> dict:
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        return cors_settings(parser.parse_args(list(argv)))
+
+    assert settings()["allowed_origins"] == []
+    assert settings("--allowed-origins", "http://a.example", "HTTPS://B.example:8443")["allowed_origins"] == [
+        "http://a.example", "https://b.example:8443"]
+    as_vllm = settings("--allowed-origins", '["*"]', "--allowed-methods", '["get", "POST"]', "--allowed-headers",
+                       '["Authorization"]', "--allow-credentials")
+    assert as_vllm == {"allowed_origins": ["*"], "allowed_methods": ["GET", "POST"],
+                       "allowed_headers": ["Authorization"], "allow_credentials": True}
+    for argv, words in ((["--allowed-origins", "http://localhost:3000/"], "--allowed-origins: 'http://localhost:3000/'"
+                                                                          " is not an origin"),
+                        (["--allowed-origins", "localhost:3000"], "--allowed-origins: 'localhost:3000' is not an"),
+                        (["--allowed-origins", "http://a.example/app"], "--allowed-origins: 'http://a.example/app'"),
+                        (["--allowed-origins", '["http://a.example", 3]'], "--allowed-origins: the JSON list must"),
+                        (["--allowed-origins", "[http://a.example]"], "--allowed-origins: '[http://a.example]' is "
+                                                                       "not a JSON list"),
+                        (["--allowed-methods", "GET,POST"], "--allowed-methods: 'GET,POST' is not a method"),
+                        (["--allowed-headers", "x header"], "--allowed-headers: 'x header' is not a header name")):
+        assert main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tokenmill: error: {words}") and "Traceback" not in err, err
 
 
 # ---- read timeouts -----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match
@@ -221,6 +222,20 @@ def add_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
 
+def add_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """The server's middleware, innermost first (each added wraps the ones before it): the 500 of
+    InternalErrorMiddleware, then, for the pages of config.allowed_origins (none by default: a
+    page elsewhere could otherwise use a server on this machine through its visitor's browser),
+    CORS outermost, so that a preflight is answered before the routing and the key check (a browser
+    sends it without the key) and every answer, errors too, carries the headers a page needs to
+    read it."""
+    app.add_middleware(InternalErrorMiddleware)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
+                           allow_credentials=config.allow_credentials)
+
+
 def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Callable[[], None] | None = None,
                on_load_error: Callable[[BaseException], None] | None = None,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -244,7 +259,7 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     app.state.tokenmill = state
-    app.add_middleware(InternalErrorMiddleware)
+    add_middleware(app, config)
 
     add_error_handlers(app)
 

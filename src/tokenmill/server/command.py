@@ -4,7 +4,9 @@ when the command runs, so other subcommands start fast)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,9 @@ from tokenmill.server.config import (
 )
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
+METHOD = re.compile(r"[A-Za-z]+")
+HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")   # (RFC 9110's token)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -41,11 +46,56 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-burst", action="store_true",
                    help="let the engine page (/engine) send bursts of generated requests (its \"break it\" panel); "
                    "for a local server: anyone who can reach it can load it")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins (scheme://host[:port]) whose web pages may call this server from a browser (CORS), "
+                   "or * for any; as words or, as vLLM takes it, a JSON list. Default: none (a page elsewhere could "
+                   "otherwise use this server through its visitor's browser)")
+    g.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD",
+                   help="with --allowed-origins: the HTTP methods such pages may use (default *: any)")
+    g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
+                   help="with --allowed-origins: the request headers such pages may send (default *: any)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="with --allowed-origins: let such pages send the browser's cookies and credentials")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each a process with its own KV cache, behind this server's one port; "
                    "requests go where their prompt's prefix is cached, else to the least loaded replica. Without "
                    "--threads, each replica gets an equal share of the cores")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def list_flag(flag: str, values: list[str]) -> list[str]:
+    """A list flag's values, given as words or, as vLLM takes them, as one JSON list."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            values = json.loads(values[0])
+        except json.JSONDecodeError as e:
+            raise TokenmillError(f"{flag}: {values[0]!r} is not a JSON list ({e.msg})") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise TokenmillError(f"{flag}: the JSON list must hold strings only")
+    return values
+
+
+def cors_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's CORS fields from the flags, each value checked: an origin is what a browser
+    sends (scheme://host[:port], lowercase, no path), so that a trailing slash or a path, which
+    would never match, is an error here and not a page that fails in the browser."""
+    origins = []
+    for value in list_flag("--allowed-origins", args.allowed_origins):
+        origin = value.strip().lower()
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise TokenmillError(f"--allowed-origins: {value!r} is not an origin: scheme://host[:port] with no path "
+                                 "or trailing slash (e.g. http://localhost:3000), or * for any")
+        origins.append(origin)
+    lists = {}
+    for name, token in (("allowed_methods", METHOD), ("allowed_headers", HEADER)):
+        flag = "--" + name.replace("_", "-")
+        lists[name] = list_flag(flag, getattr(args, name))
+        bad = [v for v in lists[name] if v != "*" and not token.fullmatch(v)]
+        if bad:
+            raise TokenmillError(f"{flag}: {bad[0]!r} is not a {'method' if token is METHOD else 'header name'} "
+                                 "(or * for any)")
+    return {"allowed_origins": origins, "allowed_methods": [m.upper() for m in lists["allowed_methods"]],
+            "allowed_headers": lists["allowed_headers"], "allow_credentials": args.allow_credentials}
 
 
 def replica_roles(data_parallel_size: int, config: EngineConfig) -> list[str]:
@@ -97,6 +147,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
+    cors = cors_settings(args)
     # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header
     # (a hub id is looked up, or downloaded, now).
     engine_config = EngineConfig(model=model, **engine_args)
@@ -111,7 +162,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     config = ServerConfig(model=path, served_model_name=served_name,
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout,
-                          allow_burst=args.allow_burst)
+                          allow_burst=args.allow_burst, **cors)
     if roles:
         return run_frontend(config, roles, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level,
                             args.log_level)

@@ -22,3 +22,10 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S   # seconds for headers, and for a body
     allow_burst: bool = False           # POST /engine/burst (the engine page's "break it" panel)
+    # CORS: the origins whose web pages a browser lets call this server ([]: none but its own
+    # pages; "*": any); with the methods and request headers such a page may use, and whether with
+    # the browser's cookies and credentials
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False

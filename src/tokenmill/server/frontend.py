@@ -52,8 +52,8 @@ from tokenmill.engine.kv_transfer import transfer_path
 from tokenmill.server import serving
 from tokenmill.server.app import (
     HEAD_LIMIT,
-    InternalErrorMiddleware,
     add_error_handlers,
+    add_middleware,
     draining_server,
     echoed,
     listening_sockets,
@@ -409,7 +409,7 @@ def create_frontend(front: FrontEnd) -> FastAPI:
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    app.add_middleware(InternalErrorMiddleware)
+    add_middleware(app, config)
     add_error_handlers(app)
 
     for path in GENERATION_PATHS:
@@ -438,7 +438,9 @@ def create_frontend(front: FrontEnd) -> FastAPI:
 
 
 def replica_config(config: ServerConfig, role: str) -> ServerConfig:
-    """A replica's settings: the server's, and its K/V transfer role when disaggregated."""
+    """A replica's settings: the server's, less CORS (only this front end talks to it), and its K/V
+    transfer role when disaggregated."""
+    config = dataclasses.replace(config, allowed_origins=[])
     if role == "both":
         return config
     kv = KVTransferConfig.parse(config.engine_args["kv_transfer_config"])

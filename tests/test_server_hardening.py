@@ -319,6 +319,12 @@ def test_cors_flags_take_words_or_a_json_list_and_refuse_what_never_matches(caps
         return cors_settings(parser.parse_args(list(argv)))
 
     assert settings()["allowed_origins"] == []
+    # a vLLM command line for tool calling and browsers parses (tool_choice "auto" needs no switch here)
+    from tokenmill.cli import build_parser
+
+    vllm = build_parser().parse_args(["serve", "m.gguf", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--allowed-origins", '["*"]', "--allowed-headers", '["*"]'])
+    assert vllm.tool_call_parser == "hermes" and cors_settings(vllm)["allowed_origins"] == ["*"]
     assert settings("--allowed-origins", "http://a.example", "HTTPS://B.example:8443")["allowed_origins"] == [
         "http://a.example", "https://b.example:8443"]
     as_vllm = settings("--allowed-origins", '["*"]', "--allowed-methods", '["get", "POST"]', "--allowed-headers",

@@ -56,6 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --allowed-origins: the request headers such pages may send (default *: any)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="with --allowed-origins: let such pages send the browser's cookies and credentials")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice \"auto\", accepted so that its command lines run: tokenmill "
+                   "always serves it (the model's syntax from --tool-call-parser or its chat template)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each a process with its own KV cache, behind this server's one port; "
                    "requests go where their prompt's prefix is cached, else to the least loaded replica. Without "

@@ -648,6 +648,36 @@ def test_cpu_noise_is_exponential_draws_bit_for_bit() -> None:
     assert torch.equal(drawn, torch.empty(2, 300).exponential_())
 
 
+def test_race_over_the_top_k_equals_the_race_over_the_whole_row() -> None:
+    """race() draws a row with a small top-k from its k largest logits alone, computing the noise
+    there only: the same token as the exponential race over the whole processed row (the
+    reference, processed_logits' distribution over noise), for every filter mix, ties at the k-th
+    logit (those rows take the whole-row path), equal ratios (the smallest token id, as argmax),
+    and noise given whole or as the uniforms of a seeded generator."""
+    vocab, rows = 3000, 64
+    torch.manual_seed(3)
+    logits = torch.randn(rows, vocab) * 3
+    logits[1::5, :60] = 0.5   # ties across the k-th largest
+    logits[::7, 5] = logits[::7, 2999] = logits[::7].amax(dim=-1) + 4   # two tied maxima
+    top_k = torch.tensor([[40, 2, 5, 1, 256, 257, 0][i % 7] for i in range(rows)])
+    top_k = torch.where(top_k == 0, vocab, top_k)
+    top_p = torch.tensor([[1.0, 0.9, 0.5, 1.0, 0.95][i % 5] for i in range(rows)])
+    min_p = torch.tensor([[0.0, 0.0, 0.05, 0.2][i % 4] for i in range(rows)])
+    generators = [torch.Generator().manual_seed(row) for row in range(rows)]
+    uniforms = [torch.rand(vocab, dtype=torch.float64, generator=g) for g in generators]
+    noise = torch.stack([sampler_module.exponential_of(u.clone()) for u in uniforms]).clamp_min_(1.2e-38)
+    noise[::7, 5] = noise[::7, 2999] = 1.0   # equal ratios at the two tied maxima
+    expected = sampler_module.nucleus_filtered(sampler_module.top_k_filtered(logits, top_k), top_p, min_p)
+    expected = expected.softmax(dim=-1).div_(noise).argmax(dim=-1)
+    given = sampler_module.race(logits, top_k, top_p, min_p, [sampler_module.RowNoise(noise=n) for n in noise])
+    assert torch.equal(given, expected)
+    assert (given[::7] == 5).sum() > 5 and not (given == 2999).any()   # (2999 only ever ties with 5)
+    plain = [r for r in range(rows) if r % 7]   # (the rows whose noise is the generators' own)
+    seeded = sampler_module.race(logits[plain], top_k[plain], top_p[plain], min_p[plain],
+                                 [sampler_module.RowNoise(uniform=uniforms[r].clone()) for r in plain])
+    assert torch.equal(seeded, expected[plain])
+
+
 # --------------------------------------------------------------------------- logprobs
 
 

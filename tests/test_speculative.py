@@ -19,6 +19,7 @@ import pytest
 import safetensors.torch
 import torch
 from engine_helpers import make_engine, prefill_logits
+from test_sampling import CHI2_999
 from tiny_models import make_hf_model
 
 from tokenmill import kernels
@@ -479,9 +480,11 @@ def test_sampled_outputs_follow_the_target_distribution(tmp_path, monkeypatch, p
     proposals sampled with the noise the verifying rows use) or n-gram lookup (the verifying rows
     draw as plain rows do): the two
     tokens a verification step produces (the first from the row verifying the proposal, the second
-    only where that proposal was accepted) against the target's exact distribution: within 0.002
-    total variation at 200k samples (the sampling noise alone is ~0.0013; a rule that accepted
-    proposals without checking them is off by ~0.1)."""
+    only where that proposal was accepted) against the target's exact distribution: a chi-square
+    test at 200k samples, failing at its upper 0.1% point (as the sampler's frequency tests; a
+    total-variation bound of 0.002 was within ~1.5x of the sampling noise alone, ~0.0015, and failed
+    for some seeds of the random stream; a rule that accepted proposals without checking them is
+    off by ~0.1 in total variation, a chi-square in the thousands)."""
     target = make_hf_model("llama", tmp_path / "target", seed=0, overrides={"vocab_size": 4})
     # a one-token prompt: every step is a decode step (the fast path), so 200k samples take a minute;
     # n-gram lookup gets one where nearly every first output token finds a match, whose proposal this
@@ -522,11 +525,12 @@ def test_sampled_outputs_follow_the_target_distribution(tmp_path, monkeypatch, p
         for b in range(4):
             p3 = (prefill_logits(reference, prompt + [a, b])[-1] / temperature).softmax(-1)
             exact[a, b] = p1[a] * p2[b] * p3
-    empirical = counts / counts.sum()
     # output tokens 2 and 3 come from verification steps (token 1 from the prefill)
     for position, dims in [(2, (0, 2)), (3, (0, 1))]:
-        tv = 0.5 * (empirical.sum(dims) - exact.sum(dims)).abs().sum().item()
-        assert tv < 0.002, f"total variation {tv:.4f} at output position {position}"
+        seen, want = counts.sum(dims).double(), exact.sum(dims).double() * samples
+        chi2 = ((seen - want) ** 2 / want).sum().item()
+        tv = 0.5 * (seen - want).abs().sum().item() / samples
+        assert chi2 < CHI2_999[3], f"output position {position}: chi-square {chi2:.1f}, total variation {tv:.4f}"
 
 
 # ---- the KV cache after rejections ------------------------------------------------------------------

@@ -5,7 +5,8 @@ is greedy and nothing can move the argmax (no bias, suppression or penalty), it 
 the raw logits. A sampled row of a seeded request (and one whose noise was drawn ahead for
 speculative decoding) uses the exponential race: token = argmax(probs / q) with q ~ Exponential(1)
 per token, which picks token i with probability probs[i]; it draws its q row from its own
-generator, so its tokens do not depend on its batch neighbours. The other sampled rows invert their
+generator, so its tokens do not depend on its batch neighbours (with a small top-k, the race runs
+over the k largest logits, the noise computed there only: race). The other sampled rows invert their
 distribution's CDF at one uniform each from the global generator: the same distribution from one
 random number per row instead of one per vocabulary entry (a Mersenne Twister draw per entry cost
 more than the rest of the sampler), draw top-k from the row's k largest logits (sample_top_k),
@@ -71,24 +72,84 @@ class Sampler:
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """From logits processed up to the temperature: the argmax on greedy rows (top-k, top-p and
     min-p never remove the most likely token), a draw from the fully processed distribution on the
-    others: the exponential race on rows with a seed or given noise, sample_top_k on the rest."""
+    others: the exponential race on rows with a seed or given noise (race), sample_top_k on the
+    rest. Each row is drawn by one of the two only."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    sampled_ids = sample_top_k(logits, batch.top_k, batch.top_p, batch.min_p)
-    raced = [row for row, _ in batch.seeded_rows] + [row for row, _ in batch.given_noise]
-    if raced:
-        top_k, top_p, min_p = _rows_of(raced, batch.top_k, batch.top_p, batch.min_p)
-        filtered = nucleus_filtered(top_k_filtered(logits[raced], top_k), top_p, min_p)
-        noise = torch.stack([_own_noise(g, batch.vocab_size).to(logits.device) for _, g in batch.seeded_rows]
-                            + [given for _, given in batch.given_noise])
-        # a draw is exactly 0 where its uniform is; 0/0 would be NaN, which argmax would pick.
-        sampled_ids[raced] = filtered.softmax(dim=-1).div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
+    noises = {row: _own_row_noise(g, batch.vocab_size) for row, g in batch.seeded_rows}
+    noises.update((row, RowNoise(noise=given)) for row, given in batch.given_noise)
+    if not noises:
+        sampled_ids = sample_top_k(logits, batch.top_k, batch.top_p, batch.min_p)
+    else:
+        sampled_ids = torch.zeros(batch.num_rows, dtype=torch.int64, device=logits.device)
+        skipped = set(noises) | {row for row, greedy in enumerate(batch.greedy.tolist()) if greedy}
+        drawn = [row for row in range(batch.num_rows) if row not in skipped]
+        if drawn:
+            sampled_ids[drawn] = sample_top_k(*_rows_of(drawn, logits, batch.top_k, batch.top_p, batch.min_p))
+        raced = sorted(noises)
+        sampled_ids[raced] = race(*_rows_of(raced, logits, batch.top_k, batch.top_p, batch.min_p),
+                                  [noises[row] for row in raced])
     return torch.where(batch.greedy, logits.argmax(dim=-1), sampled_ids) if batch.any_greedy else sampled_ids
 
 
+@dataclass
+class RowNoise:
+    """A raced row's Exponential(1) noise over the vocabulary: given whole ([V], drawn ahead), or as
+    the float64 uniforms it is computed from (exponential's transform), so that only the entries the
+    race reads are computed."""
+
+    noise: torch.Tensor | None = None
+    uniform: torch.Tensor | None = None
+
+    def at(self, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The noise at `indices` (None: every entry), float32, at least _TINY."""
+        if self.noise is not None:
+            picked = self.noise if indices is None else self.noise[indices]
+        else:
+            picked = exponential_of(self.uniform if indices is None else self.uniform[indices])
+        return picked.clamp_min(_TINY)   # a draw is exactly 0 where its uniform is; p/0 would be inf
+
+
+def race(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+         min_p: torch.Tensor | None, noises: list[RowNoise]) -> torch.Tensor:
+    """[R] token ids: the exponential race, argmax(probs / noise), over each row's fully processed
+    distribution (processed_logits from here), which draws token i with probability probs[i].
+
+    On a CPU, a row with top_k <= MAX_TOP_K_DRAWN races its k largest logits alone (one `topk`;
+    its noise computed there only) where they are its top-k, as sample_top_k draws them: every
+    other token has probability 0, so p / noise is 0 there, and equal ratios go to the smallest
+    token id as argmax over the whole row would. Other rows race over the whole vocabulary."""
+    rows, vocab = logits.shape
+    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    rest = list(range(rows))
+    if logits.device.type == "cpu" and top_k is not None:
+        narrow = ((top_k <= MAX_TOP_K_DRAWN) & (top_k < vocab)).nonzero().squeeze(1)
+        if len(narrow):
+            k = top_k[narrow].unsqueeze(1)
+            width = int(k.max())
+            values, indices = _rows_of(narrow, logits)[0].topk(width + 1, dim=-1)
+            decided = (values.gather(1, k) < values.gather(1, k - 1)).squeeze(1)
+            candidates = values[decided, :width]
+            candidates.masked_fill_(torch.arange(width) >= k[decided], float("-inf"))
+            drawn = narrow[decided]
+            indices = indices[decided, :width]
+            probs = nucleus_filtered(candidates, *_rows_of(drawn, top_p, min_p)).softmax(dim=-1)
+            ratios = probs.div_(torch.stack([noises[row].at(ix) for row, ix in zip(drawn.tolist(), indices,
+                                                                                    strict=True)]))
+            best = ratios == ratios.amax(dim=-1, keepdim=True)
+            ids[drawn] = torch.where(best, indices, vocab).amin(dim=-1)
+            rest = sorted(set(rest) - set(drawn.tolist()))
+    if rest:
+        filtered = nucleus_filtered(top_k_filtered(*_rows_of(rest, logits, top_k)), *_rows_of(rest, top_p, min_p))
+        noise = torch.stack([noises[row].at() for row in rest]).to(logits.device)
+        ids[rest] = filtered.softmax(dim=-1).div_(noise).argmax(dim=-1)
+    return ids
+
+
 def _rows_of(rows: torch.Tensor | list[int], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Those rows of each tensor (None stays None: a filter no row uses)."""
-    return [None if t is None else t[rows] for t in tensors]
+    """Those rows (ascending) of each tensor (None stays None: a filter no row uses); every row is
+    the tensor itself, not a copy."""
+    return [None if t is None else t if len(rows) == len(t) else t[rows] for t in tensors]
 
 
 # The largest k that sample_top_k draws from the row's k largest logits alone (one `topk`, whose cost
@@ -210,14 +271,28 @@ def exponential(shape: tuple[int, ...], generator: torch.Generator | None, devic
     with a vectorized log1p where exponential_ calls the scalar one per value (most of a sampled
     step's sampler time went there). Other devices run exponential_ itself (one fused kernel)."""
     if torch.device(device).type == "cpu":
-        return torch.rand(shape, dtype=torch.float64, generator=generator).neg_().log1p_().neg_().float()
+        return exponential_of(torch.rand(shape, dtype=torch.float64, generator=generator))
     return torch.empty(shape, device=device).exponential_(generator=generator)
+
+
+def exponential_of(uniform: torch.Tensor) -> torch.Tensor:
+    """float32 -log1p(-u) of float64 uniforms (overwritten): exponential's transform, elementwise,
+    so that it gives the same value for an entry computed alone as in its whole row."""
+    return uniform.neg_().log1p_().neg_().float()
 
 
 def _own_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:
     """One row's draw from a request's own generator, on the generator's device: what one sampling
     step consumes from it."""
     return exponential((vocab_size,), generator, generator.device)
+
+
+def _own_row_noise(generator: torch.Generator, vocab_size: int) -> RowNoise:
+    """What one sampling step consumes from a request's own generator: on a CPU the uniforms of its
+    noise (RowNoise computes the noise where the race reads it), else the noise itself."""
+    if generator.device.type == "cpu":
+        return RowNoise(uniform=torch.rand(vocab_size, dtype=torch.float64, generator=generator))
+    return RowNoise(noise=_own_noise(generator, vocab_size))
 
 
 def draw_noise(generator: torch.Generator | None, rows: int, vocab_size: int,

@@ -111,14 +111,15 @@ def test_stream_lines_end_only_at_cr_and_lf():
 
     import httpx
 
-    from tokenmill.bench.serve import stream_request
+    from tokenmill.bench.serve import sse_lines, stream_request
 
     texts = ["a\u2028", "\u2029b", "\x85", "c"]
     events = [json.dumps({"choices": [{"text": t, "index": 0, "finish_reason": None}]}, ensure_ascii=False)
               for t in texts]
     body = "".join(f"data: {e}\r\n\r\n" for e in events) + "data: [DONE]\r\n\r\n"
     raw = body.encode()
-    pieces = [raw[i:i + 7] for i in range(0, len(raw), 7)]   # splits characters and CRLFs too
+    # every piece ends at a CR (so each CRLF is split) or after 7 bytes (splitting characters too)
+    pieces = [part[i:i + 7] for part in raw.replace(b"\r", b"\r\0").split(b"\0") for i in range(0, len(part), 7)]
 
     async def chunks():
         for piece in pieces:
@@ -131,6 +132,13 @@ def test_stream_lines_end_only_at_cr_and_lf():
 
     streamed = asyncio.run(go())
     assert streamed.error is None and streamed.ok and streamed.output_tokens == 4
+
+    async def lines():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=chunks()))
+        async with httpx.AsyncClient(transport=transport) as client, client.stream("GET", "http://peer/") as r:
+            return [line async for line in sse_lines(r)]
+
+    assert asyncio.run(lines()) == body.split("\r\n")[:-1]   # (no empty line where a chunk split a CRLF)
 
 
 def test_requests_carry_the_asked_sampling():

@@ -676,6 +676,13 @@ def test_race_over_the_top_k_equals_the_race_over_the_whole_row() -> None:
     seeded = sampler_module.race(logits[plain], top_k[plain], top_p[plain], min_p[plain],
                                  [sampler_module.RowNoise(uniform=uniforms[r].clone()) for r in plain])
     assert torch.equal(seeded, expected[plain])
+    # every narrow row undecided: a grammar that allows fewer tokens than k + 1 leaves -inf ties there
+    few = torch.full((2, vocab), -INF)
+    few[:, [7, 500, 2000]] = torch.tensor([1.0, 2.0, 0.5])
+    k40 = torch.tensor([40, 40])
+    expected_few = few.softmax(dim=-1).div_(noise[:2]).argmax(dim=-1)
+    assert torch.equal(sampler_module.race(few, k40, None, None, [sampler_module.RowNoise(noise=n) for n in noise[:2]]),
+                       expected_few)
 
 
 # --------------------------------------------------------------------------- logprobs

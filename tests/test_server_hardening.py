@@ -10,7 +10,6 @@ model for the SIGTERM drain (the tiny model would finish any request before the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import http.client
 import json
@@ -310,27 +309,30 @@ def test_allowed_origins_get_preflights_and_headers_on_every_answer(cors_server)
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
-def test_cors_flags_take_words_or_a_json_list_and_refuse_what_never_matches(capsys):
-    from tokenmill.server.command import add_serve_args, cors_settings
+def test_cors_flags_take_lists_or_json_lists_and_refuse_what_never_matches(capsys):
+    from tokenmill.cli import build_parser
+    from tokenmill.server.command import cors_settings
 
     def settings(*argv: str) -> dict:
-        parser = argparse.ArgumentParser()
-        add_serve_args(parser)
-        return cors_settings(parser.parse_args(list(argv)))
+        return cors_settings(build_parser().parse_args(["serve", *argv]))
 
-    assert settings()["allowed_origins"] == []
+    assert settings() == {"allowed_origins": [], "allowed_methods": ["*"], "allowed_headers": ["*"],
+                          "allow_credentials": False}
     # a vLLM command line for tool calling and browsers parses (tool_choice "auto" needs no switch here)
-    from tokenmill.cli import build_parser
-
     vllm = build_parser().parse_args(["serve", "m.gguf", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                       "--allowed-origins", '["*"]', "--allowed-headers", '["*"]'])
     assert vllm.tool_call_parser == "hermes" and cors_settings(vllm)["allowed_origins"] == ["*"]
-    assert settings("--allowed-origins", "http://a.example", "HTTPS://B.example:8443")["allowed_origins"] == [
-        "http://a.example", "https://b.example:8443"]
-    as_vllm = settings("--allowed-origins", '["*"]', "--allowed-methods", '["get", "POST"]', "--allowed-headers",
-                       '["Authorization"]', "--allow-credentials")
-    assert as_vllm == {"allowed_origins": ["*"], "allowed_methods": ["GET", "POST"],
-                       "allowed_headers": ["Authorization"], "allow_credentials": True}
+    # one value a use (comma-separated), so that MODEL after the flag stays MODEL
+    after = build_parser().parse_args(["serve", "--allowed-methods", "GET", "smollm"])
+    assert after.model_path == "smollm" and cors_settings(after)["allowed_methods"] == ["GET"]
+    # lowercase, and without the default port a browser leaves out
+    assert settings("--allowed-origins", "http://a.example, HTTPS://B.example:8443", "--allowed-origins",
+                    "https://c.example:443")["allowed_origins"] == [
+        "http://a.example", "https://b.example:8443", "https://c.example"]
+    as_vllm = settings("--allowed-origins", '["http://a.example"]', "--allowed-methods", '["get", "POST"]',
+                       "--allowed-headers", "Authorization,Content-Type", "--allow-credentials")
+    assert as_vllm == {"allowed_origins": ["http://a.example"], "allowed_methods": ["GET", "POST"],
+                       "allowed_headers": ["Authorization", "Content-Type"], "allow_credentials": True}
     for argv, words in ((["--allowed-origins", "http://localhost:3000/"], "--allowed-origins: 'http://localhost:3000/'"
                                                                           " is not an origin"),
                         (["--allowed-origins", "localhost:3000"], "--allowed-origins: 'localhost:3000' is not an"),
@@ -338,7 +340,9 @@ def test_cors_flags_take_words_or_a_json_list_and_refuse_what_never_matches(caps
                         (["--allowed-origins", '["http://a.example", 3]'], "--allowed-origins: the JSON list must"),
                         (["--allowed-origins", "[http://a.example]"], "--allowed-origins: '[http://a.example]' is "
                                                                        "not a JSON list"),
-                        (["--allowed-methods", "GET,POST"], "--allowed-methods: 'GET,POST' is not a method"),
+                        (["--allowed-origins", "*", "--allow-credentials"], "--allow-credentials with "
+                                                                             "--allowed-origins *"),
+                        (["--allowed-methods", "GET POST"], "--allowed-methods: 'GET POST' is not a method"),
                         (["--allowed-headers", "x header"], "--allowed-headers: 'x header' is not a header name")):
         assert main(["serve", *argv]) == 2
         err = capsys.readouterr().err

@@ -114,11 +114,16 @@ async def sse_lines(response: Any) -> AsyncIterator[str]:
     aiter_lines also ends them at U+0085, U+2028 and U+2029, which a server's JSON may hold raw)."""
     rest = ""
     async for text in response.aiter_text():
-        *lines, rest = SSE_LINE_END.split(rest + text)
+        rest += text
+        held = rest.endswith("\r")   # (the first half of a CRLF, maybe: it waits for the next text)
+        *lines, rest = SSE_LINE_END.split(rest[:-1] if held else rest)
         for line in lines:
             yield line
+        rest += "\r" if held else ""
     if rest:
-        yield rest
+        lines = SSE_LINE_END.split(rest)
+        for line in lines[:-1] if lines[-1] == "" else lines:
+            yield line
 
 
 async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,

@@ -73,7 +73,7 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """From logits processed up to the temperature: the argmax on greedy rows (top-k, top-p and
     min-p never remove the most likely token), a draw from the fully processed distribution on the
     others: the exponential race on rows with a seed or given noise (race), sample_top_k on the
-    rest. Each row is drawn by one of the two only."""
+    rest (in a batch with racing rows, only on the sampled rows that do not race)."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     noises = {row: _own_row_noise(g, batch.vocab_size) for row, g in batch.seeded_rows}
@@ -82,7 +82,9 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sampled_ids = sample_top_k(logits, batch.top_k, batch.top_p, batch.min_p)
     else:
         sampled_ids = torch.zeros(batch.num_rows, dtype=torch.int64, device=logits.device)
-        skipped = set(noises) | {row for row, greedy in enumerate(batch.greedy.tolist()) if greedy}
+        skipped = set(noises)
+        if batch.any_greedy:
+            skipped |= {row for row, greedy in enumerate(batch.greedy.tolist()) if greedy}
         drawn = [row for row in range(batch.num_rows) if row not in skipped]
         if drawn:
             sampled_ids[drawn] = sample_top_k(*_rows_of(drawn, logits, batch.top_k, batch.top_p, batch.min_p))
@@ -106,7 +108,7 @@ class RowNoise:
         if self.noise is not None:
             picked = self.noise if indices is None else self.noise[indices]
         else:
-            picked = exponential_of(self.uniform if indices is None else self.uniform[indices])
+            picked = exponential_of(self.uniform.clone() if indices is None else self.uniform[indices])
         return picked.clamp_min(_TINY)   # a draw is exactly 0 where its uniform is; p/0 would be inf
 
 
@@ -123,16 +125,8 @@ def race(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor |
     ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     rest = list(range(rows))
     if logits.device.type == "cpu" and top_k is not None:
-        narrow = ((top_k <= MAX_TOP_K_DRAWN) & (top_k < vocab)).nonzero().squeeze(1)
-        if len(narrow):
-            k = top_k[narrow].unsqueeze(1)
-            width = int(k.max())
-            values, indices = _rows_of(narrow, logits)[0].topk(width + 1, dim=-1)
-            decided = (values.gather(1, k) < values.gather(1, k - 1)).squeeze(1)
-            candidates = values[decided, :width]
-            candidates.masked_fill_(torch.arange(width) >= k[decided], float("-inf"))
-            drawn = narrow[decided]
-            indices = indices[decided, :width]
+        drawn, candidates, indices = _top_k_candidates(logits, top_k)
+        if len(drawn):
             probs = nucleus_filtered(candidates, *_rows_of(drawn, top_p, min_p)).softmax(dim=-1)
             ratios = probs.div_(torch.stack([noises[row].at(ix) for row, ix in zip(drawn.tolist(), indices,
                                                                                     strict=True)]))
@@ -141,9 +135,25 @@ def race(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor |
             rest = sorted(set(rest) - set(drawn.tolist()))
     if rest:
         filtered = nucleus_filtered(top_k_filtered(*_rows_of(rest, logits, top_k)), *_rows_of(rest, top_p, min_p))
-        noise = torch.stack([noises[row].at() for row in rest]).to(logits.device)
+        noise = torch.stack([noises[row].at().to(logits.device) for row in rest])
         ids[rest] = filtered.softmax(dim=-1).div_(noise).argmax(dim=-1)
     return ids
+
+
+def _top_k_candidates(logits: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows with top_k <= MAX_TOP_K_DRAWN whose k largest logits are their top-k (the token
+    after them does not tie with the k-th, which the top-k filter would keep too), ascending, with
+    those logits in descending order (-inf past each row's k) and their token ids: one `topk`."""
+    narrow = ((top_k <= MAX_TOP_K_DRAWN) & (top_k < logits.shape[1])).nonzero().squeeze(1)
+    if not len(narrow):
+        return narrow, logits[:0], narrow.unsqueeze(1)
+    k = top_k[narrow].unsqueeze(1)
+    width = int(k.max())
+    values, indices = _rows_of(narrow, logits)[0].topk(width + 1, dim=-1)
+    decided = (values.gather(1, k) < values.gather(1, k - 1)).squeeze(1)
+    candidates = values[decided, :width]
+    candidates.masked_fill_(torch.arange(width) >= k[decided], float("-inf"))
+    return narrow[decided], candidates, indices[decided, :width]
 
 
 def _rows_of(rows: torch.Tensor | list[int], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -152,8 +162,8 @@ def _rows_of(rows: torch.Tensor | list[int], *tensors: torch.Tensor | None) -> l
     return [None if t is None else t if len(rows) == len(t) else t[rows] for t in tensors]
 
 
-# The largest k that sample_top_k draws from the row's k largest logits alone (one `topk`, whose cost
-# grows with k); rows with a larger top-k filter the whole row.
+# The largest k that sample_top_k and race draw from the row's k largest logits alone (one `topk`,
+# whose cost grows with k); rows with a larger top-k filter the whole row.
 MAX_TOP_K_DRAWN = 256
 
 
@@ -169,27 +179,19 @@ def sample_top_k(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     where counting them would wait for the device) filter the whole row first."""
     if top_k is None:
         return sample_nucleus(logits, top_p, min_p)
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     rest = torch.arange(rows, device=logits.device)
     if logits.device.type == "cpu":
-        narrow = ((top_k <= MAX_TOP_K_DRAWN) & (top_k < vocab)).nonzero().squeeze(1)
-        if len(narrow):
-            k = top_k[narrow].unsqueeze(1)
-            width = int(k.max())
-            values, indices = (logits if len(narrow) == rows else logits[narrow]).topk(width + 1, dim=-1)
-            decided = (values.gather(1, k) < values.gather(1, k - 1)).squeeze(1)
-            candidates = values[decided, :width]
-            candidates.masked_fill_(torch.arange(width) >= k[decided], float("-inf"))
-            drawn = narrow[decided]
+        drawn, candidates, indices = _top_k_candidates(logits, top_k)
+        if len(drawn):
             positions = sample_nucleus(candidates, *_rows_of(drawn, top_p, min_p))
-            ids[drawn] = indices[decided].gather(1, positions.unsqueeze(1)).squeeze(1)
+            ids[drawn] = indices.gather(1, positions.unsqueeze(1)).squeeze(1)
             left = torch.ones(rows, dtype=torch.bool)
             left[drawn] = False
             rest = rest[left]
     if len(rest):
-        if len(rest) < rows:
-            logits, top_k, top_p, min_p = _rows_of(rest, logits, top_k, top_p, min_p)
+        logits, top_k, top_p, min_p = _rows_of(rest, logits, top_k, top_p, min_p)
         ids[rest] = sample_nucleus(top_k_filtered(logits, top_k), top_p, min_p)
     return ids
 

@@ -46,14 +46,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-burst", action="store_true",
                    help="let the engine page (/engine) send bursts of generated requests (its \"break it\" panel); "
                    "for a local server: anyone who can reach it can load it")
-    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
                    help="origins (scheme://host[:port]) whose web pages may call this server from a browser (CORS), "
-                   "or * for any; as words or, as vLLM takes it, a JSON list. Default: none (a page elsewhere could "
-                   "otherwise use this server through its visitor's browser)")
-    g.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD",
-                   help="with --allowed-origins: the HTTP methods such pages may use (default *: any)")
-    g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
-                   help="with --allowed-origins: the request headers such pages may send (default *: any)")
+                   "or * for any: comma-separated or, as vLLM takes them, a JSON list; repeatable. Default: none "
+                   "(a page elsewhere could otherwise use this server through its visitor's browser)")
+    g.add_argument("--allowed-methods", action="append", default=None, metavar="METHODS",
+                   help="with --allowed-origins: the HTTP methods such pages may use, as --allowed-origins takes "
+                   "them (default *: any)")
+    g.add_argument("--allowed-headers", action="append", default=None, metavar="HEADERS",
+                   help="with --allowed-origins: the request headers such pages may send, as --allowed-origins "
+                   "takes them (default *: any)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="with --allowed-origins: let such pages send the browser's cookies and credentials")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -66,33 +68,48 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
-def list_flag(flag: str, values: list[str]) -> list[str]:
-    """A list flag's values, given as words or, as vLLM takes them, as one JSON list."""
-    if len(values) == 1 and values[0].lstrip().startswith("["):
-        try:
-            values = json.loads(values[0])
-        except json.JSONDecodeError as e:
-            raise TokenmillError(f"{flag}: {values[0]!r} is not a JSON list ({e.msg})") from None
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise TokenmillError(f"{flag}: the JSON list must hold strings only")
-    return values
+def list_flag(flag: str, values: list[str] | None, default: list[str]) -> list[str]:
+    """A list flag's values (`default` when not given): each use one value, comma-separated or, as
+    vLLM takes it, a JSON list (one value each, so that the flag never takes MODEL after it)."""
+    if values is None:
+        return default
+    out = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise TokenmillError(f"{flag}: {value!r} is not a JSON list ({e.msg})") from None
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise TokenmillError(f"{flag}: the JSON list must hold strings only")
+        else:
+            items = value.split(",")
+        out += [item.strip() for item in items]
+    return out
 
 
 def cors_settings(args: argparse.Namespace) -> dict[str, Any]:
     """ServerConfig's CORS fields from the flags, each value checked: an origin is what a browser
-    sends (scheme://host[:port], lowercase, no path), so that a trailing slash or a path, which
-    would never match, is an error here and not a page that fails in the browser."""
+    sends (scheme://host[:port], lowercase, no path, no default port), so that a trailing slash, a
+    path or ":443" on https, none of which would ever match, is an error or dropped here, and not a
+    page that fails in the browser."""
     origins = []
-    for value in list_flag("--allowed-origins", args.allowed_origins):
-        origin = value.strip().lower()
+    for value in list_flag("--allowed-origins", args.allowed_origins, []):
+        origin = value.lower()
         if origin != "*" and not ORIGIN.fullmatch(origin):
             raise TokenmillError(f"--allowed-origins: {value!r} is not an origin: scheme://host[:port] with no path "
                                  "or trailing slash (e.g. http://localhost:3000), or * for any")
+        for scheme, port in (("http://", ":80"), ("https://", ":443")):
+            if origin.startswith(scheme) and origin.endswith(port):
+                origin = origin[:-len(port)]   # (a browser leaves the scheme's default port out)
         origins.append(origin)
+    if "*" in origins and args.allow_credentials:
+        raise TokenmillError("--allow-credentials with --allowed-origins *: every site's pages could call this server "
+                             "with their visitors' cookies and credentials; list the origins instead")
     lists = {}
     for name, token in (("allowed_methods", METHOD), ("allowed_headers", HEADER)):
         flag = "--" + name.replace("_", "-")
-        lists[name] = list_flag(flag, getattr(args, name))
+        lists[name] = list_flag(flag, getattr(args, name), ["*"])
         bad = [v for v in lists[name] if v != "*" and not token.fullmatch(v)]
         if bad:
             raise TokenmillError(f"{flag}: {bad[0]!r} is not a {'method' if token is METHOD else 'header name'} "

@@ -12,6 +12,7 @@ hypothesis state machine.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from pathlib import Path
 
@@ -666,6 +667,24 @@ def test_default_model_quantized_draft_for_the_dense_target(default_gguf_path, p
     assert a.metrics.spec_acceptance_rate > 0.8, a.metrics
     stats = spec.engine.stats()
     assert stats.spec_proposer == "draft_model" and stats.spec_num_accepted_tokens == a.metrics.spec_num_accepted_tokens
+
+
+def test_the_drafts_log_lines_and_errors_name_it(tiny_hf_model, tmp_path, caplog):
+    """The draft's engine takes the target's settings: where they do not fit the draft, its warning
+    and its error say it is the draft's."""
+    from tokenmill import LLM
+    target = tiny_hf_model("llama")
+    spec = {"model": str(target), "num_speculative_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine"):
+        LLM(str(target), speculative_config=spec, dtype="float32", max_model_len=256, num_kv_blocks=4)
+    lines = [r.getMessage() for r in caplog.records]
+    draft = "speculative_config.model (the draft): "
+    assert sum(line.startswith("max_model_len 256 lowered") for line in lines) == 1, lines
+    assert sum(line.startswith(draft + "max_model_len 256 lowered") for line in lines) == 1, lines
+    assert sum(line.startswith(draft + "memory plan") for line in lines) == 1, lines
+    short = make_hf_model("llama", tmp_path / "short", seed=1, overrides={"max_position_embeddings": 64})
+    with pytest.raises(TokenmillError, match=r"^speculative_config.model \(the draft\): max_model_len \(128\) exceeds"):
+        LLM(str(target), speculative_config={**spec, "model": str(short)}, dtype="float32", max_model_len=128)
 
 
 def test_a_draft_with_another_tokenizer_is_refused(default_gguf_path, tiny_hf_model):

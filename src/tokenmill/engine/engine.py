@@ -115,10 +115,12 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, ckpt: GGUFCheckpoint | HFCheckpoint, config: EngineConfig, eos_token_ids: frozenset[int],
-                 draft: LLMEngine | None = None):
+                 draft: LLMEngine | None = None, label: str = ""):
         """`draft`: the engine of the draft model, for speculative_config's method draft_model (its
-        scheduler is unused: the speculator runs its model on shadow requests)."""
+        scheduler is unused: the speculator runs its model on shadow requests). `label`: what its
+        log lines begin with (the draft's engine: which model they are about)."""
         self.config = config
+        self.label = label
         if config.kv_transfer_config is not None and config.kv_transfer_config.kv_role is None:   # (was ignored)
             raise TokenmillError("kv_transfer_config: without a kv_role it describes `tokenmill serve`'s pair of "
                                  "engines (one prefills, one decodes); an engine of its own takes kv_role "
@@ -187,9 +189,9 @@ class LLMEngine:
             raise TokenmillError(f"the KV pool ({num_blocks} blocks) is smaller than one block per KV cache group "
                                  f"({len(layout.windows)}); raise num_kv_blocks or kv_cache_memory")
         if config.max_model_len is not None and self.max_model_len < config.max_model_len:
-            logger.warning("max_model_len %d lowered to %d: the KV pool (%d blocks) holds no longer request; raise "
-                           "kv_cache_memory or num_kv_blocks for more", config.max_model_len, self.max_model_len,
-                           num_blocks)
+            logger.warning("%smax_model_len %d lowered to %d: the KV pool (%d blocks) holds no longer request; raise "
+                           "kv_cache_memory or num_kv_blocks for more", self.label, config.max_model_len,
+                           self.max_model_len, num_blocks)
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, layout.windows)
         self.layout = layout
@@ -221,8 +223,8 @@ class LLMEngine:
         windows = [w for w in layout.windows if w is not None]
         groups = (f" ({len(layout.windows)} groups of layers, {len(windows)} sliding: window {windows[0]})"
                   if len(layout.windows) > 1 else f" (sliding window {windows[0]})" if windows else "")
-        logger.info("memory plan%s: weights %.1f MiB (%s%s); KV cache (%s) %d B/token%s, %d blocks of %d tokens "
-                    "(%.1f MiB); max_model_len %d: %.1f full-length requests fit at once",
+        logger.info("%smemory plan%s: weights %.1f MiB (%s%s); KV cache (%s) %d B/token%s, %d blocks of %d tokens "
+                    "(%.1f MiB); max_model_len %d: %.1f full-length requests fit at once", self.label,
                     f" ({tp.size} tensor-parallel ranks)" if tp.size > 1 else "", weight_bytes / 2**20, self.dtype,
                     ", rank 0's part" if tp.size > 1 else "", self.kv_dtype, per_token,
                     groups, num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.max_model_len,

@@ -198,4 +198,8 @@ def _draft_engine(spec: SpeculativeConfig, config: EngineConfig, tokenizer: Toke
     if difference is not None:
         raise TokenmillError(f"speculative_config.model: the draft's tokenizer is not the target's ({difference}); "
                              f"a draft model must share the target's vocabulary")
-    return LLMEngine(ckpt, draft_config, eos)
+    label = "speculative_config.model (the draft): "
+    try:
+        return LLMEngine(ckpt, draft_config, eos, label=label)
+    except TokenmillError as e:   # (the target's settings, applied to the draft: say which model failed)
+        raise TokenmillError(f"{label}{e}") from e

@@ -109,7 +109,9 @@ class RowNoise:
             picked = self.noise if indices is None else self.noise[indices]
         else:
             picked = exponential_of(self.uniform.clone() if indices is None else self.uniform[indices])
-        return picked.clamp_min(_TINY)   # a draw is exactly 0 where its uniform is; p/0 would be inf
+        # a draw is exactly 0 where its uniform is: p / 0 would be inf, or NaN where p is 0, which
+        # argmax would pick
+        return picked.clamp_min(_TINY)
 
 
 def race(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

@@ -120,10 +120,8 @@ async def sse_lines(response: Any) -> AsyncIterator[str]:
         for line in lines:
             yield line
         rest += "\r" if held else ""
-    if rest:
-        lines = SSE_LINE_END.split(rest)
-        for line in lines[:-1] if lines[-1] == "" else lines:
-            yield line
+    if rest:   # (no line end in it but a held CR, which ends it)
+        yield rest.removesuffix("\r")
 
 
 async def stream_request(client: Any, url: str, model: str, prompt: list[int], output_len: int,

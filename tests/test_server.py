@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -39,13 +40,14 @@ START_TIMEOUT_S = 300
 
 class Server:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 probe_loading: bool = False):
+                 probe_loading: bool = False, verify: ssl.SSLContext | None = None):
         """`probe_loading`: while it loads, send a /v1 request at each /health poll (v1_while_loading);
         off by default, as a probe sent just as loading ends is a real request (it would show in
-        the server's counters)."""
+        the server's counters). `verify`: an HTTPS server's CA (its own certificate)."""
         self.port = free_port()
         self.probe_loading = probe_loading
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.verify = verify if verify is not None else True
+        self.base = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_seen: list[tuple[int, str]] = []      # /health answers while starting
         # (status of a /v1 request sent while /health said loading, /health's status right after it)
@@ -64,7 +66,7 @@ class Server:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                r = httpx.get(self.base + "/health", timeout=5)
+                r = httpx.get(self.base + "/health", timeout=5, verify=self.verify)
             except httpx.HTTPError:
                 time.sleep(0.2)
                 continue
@@ -548,10 +550,54 @@ def test_api_key_flag_then_sigterm_finishes_the_stream_in_flight_and_exits_clean
         stop_process(s.proc)
 
 
-def test_serve_refuses_bad_flags_and_model_paths_before_listening(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files)."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "2", "-subj", "/CN=tokenmill-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_https_behind_a_root_path(tiny_gguf_model, certificate, tmp_path):
+    cert, key = certificate
+    trust = ssl.create_default_context(cafile=cert)
+    s = Server([str(tiny_gguf_model("llama")), "--ssl-certfile", cert, "--ssl-keyfile", key, "--root-path", "/llm/"],
+               tmp_path / "tls.log", verify=trust)
+    with running(s, None):
+        assert f"at https://127.0.0.1:{s.port} " in s.log()
+        client = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0,
+                               http_client=httpx.Client(verify=trust))
+        done = client.completions.create(model="tiny-llama-F32.gguf", prompt="Hello", max_tokens=4,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 4
+        with pytest.raises(httpx.HTTPError):   # (no plain HTTP on the port)
+            httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=10)
+        # The proxy strips the prefix; paths are named as its clients sent them.
+        error = check_error(httpx.get(s.base + "/v1/nope", verify=trust), 404, None, None)
+        assert error["message"].startswith("no route GET /llm/v1/nope ")
+
+
+def test_serve_refuses_bad_flags_and_model_paths_before_listening(tmp_path, capsys, certificate):
+    cert, key = certificate
+    other_key = tmp_path / "other.pem"
+    subprocess.run(["openssl", "genrsa", "-out", str(other_key), "2048"], check=True, capture_output=True)
     for argv, words in ((["serve", str(tmp_path / "missing.gguf")], ["missing.gguf"]),
                         (["serve", "--max-queued-requests", "-1"], ["--max-queued-requests", ">= 0"]),
-                        (["serve", "a.gguf", "--model", "b.gguf"], ["MODEL", "given twice"])):
+                        (["serve", "a.gguf", "--model", "b.gguf"], ["MODEL", "given twice"]),
+                        (["serve", "--ssl-keyfile", key], ["--ssl-keyfile", "needs --ssl-certfile"]),
+                        (["serve", "--ssl-certfile", str(tmp_path / "none.pem")], ["--ssl-certfile", "cannot read"]),
+                        (["serve", "--ssl-certfile", cert], ["--ssl-certfile:", "not a PEM certificate and its"]),
+                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", str(other_key)],
+                         ["--ssl-certfile and --ssl-keyfile", "private key"]),
+                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", key],
+                         ["--ssl-ca-certs", "not PEM certificates"]),
+                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "2"],
+                         ["--ssl-cert-reqs 2", "needs --ssl-ca-certs"]),
+                        (["serve", "--root-path", "llm"], ["--root-path", "begins with /"]),
+                        (["serve", "--root-path", "/a b"], ["--root-path", "'/a b'"])):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("tokenmill: error:") and all(w in err for w in words) and "Traceback" not in err

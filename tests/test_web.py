@@ -226,6 +226,29 @@ def test_phone_width_and_dark_mode(server, browser, shots):
         context.close()
 
 
+def test_the_pages_work_behind_a_proxy_under_a_path_prefix(server, page):
+    """A reverse proxy serving the server under /llm/ (stripping the prefix) is played by the page's
+    request router: the pages' files and API calls must all go under the prefix."""
+    prefix = server.base + "/llm/"
+    elsewhere: list[str] = []
+
+    def proxy(route) -> None:
+        url = route.request.url
+        if not url.startswith(prefix):
+            elsewhere.append(url)
+            route.fulfill(status=404, body="not behind the proxy")
+            return
+        route.fulfill(response=route.fetch(url=server.base + "/" + url[len(prefix):]))
+
+    page.route(server.base + "/**", proxy)
+    page.goto(prefix)
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('model: ')")
+    chat(page, "hi", max_tokens="4")
+    assert "4 tokens" in last_reply(page).locator(".stats").text_content()
+    assert page.locator("nav a", has_text="Engine").evaluate("a => a.href") == prefix + "engine"
+    assert elsewhere == []
+
+
 def test_api_key_is_asked_for_kept_in_the_tab_and_used(keyed_server, page, browser):
     page.goto(keyed_server.base + "/")
     dialog = page.locator("#key-dialog")

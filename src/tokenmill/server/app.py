@@ -490,23 +490,27 @@ def curl_example(base_url: str, model: str, api_key: bool) -> str:
 
 def print_ready(config: ServerConfig, host: str, port: int, detail: str = "") -> None:
     shown_host = f"[{host}]" if ":" in host else host
-    base_url = f"http://{shown_host}:{port}"
+    base_url = f"{'https' if config.tls else 'http'}://{shown_host}:{port}"
     print(f"tokenmill: serving {config.served_model_name!r} at {base_url}{detail} (OpenAI API under /v1). Try:\n"
           f"  {curl_example(base_url, config.served_model_name, bool(config.api_key))}\n"
           f"or open {base_url}/ in a browser (a chat playground; the engine, live: {base_url}/engine)",
           file=sys.stderr, flush=True)
 
 
-def draining_server(app: ASGIApp, host: str, port: int, log_level: str, read_timeout: float, shutdown_timeout: float,
-                    on_drain_timeout: Callable[[], None], on_shutdown: Callable[[], None],
+def draining_server(app: ASGIApp, config: ServerConfig, host: str, port: int, log_level: str,
+                    shutdown_timeout: float, on_drain_timeout: Callable[[], None], on_shutdown: Callable[[], None],
                     head_limit: int = HEAD_LIMIT) -> DrainingServer:
-    """uvicorn for `app`, with the header/body read timeout and the draining shutdown; `head_limit`:
-    the bytes of a request line and headers h11 takes while they are incomplete."""
+    """uvicorn for `app`, with `config`'s header/body read timeout, HTTPS and root path, and the
+    draining shutdown; `head_limit`: the bytes of a request line and headers h11 takes while they
+    are incomplete."""
+    tls = config.tls
     return DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                       http=HeaderTimeoutH11Protocol.with_timeout(read_timeout),
+                       http=HeaderTimeoutH11Protocol.with_timeout(config.request_read_timeout),
                        timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S,
-                       h11_max_incomplete_event_size=head_limit),
+                       h11_max_incomplete_event_size=head_limit, root_path=config.root_path,
+                       **({} if tls is None else {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile,
+                                                  "ssl_ca_certs": tls.ca_certs, "ssl_cert_reqs": tls.cert_reqs})),
         shutdown_timeout, on_drain_timeout, on_shutdown)
 
 
@@ -584,7 +588,7 @@ def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, 
             engine.monitor.close()
 
     app = create_app(config, on_ready=on_ready if announce else None, on_load_error=on_load_error, on_fatal=on_fatal)
-    server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout, drain,
+    server = draining_server(app, config, host, port, log_level, shutdown_timeout, drain,
                              end_feeds, head_limit)
     run_until_signal(server, listening_sockets(host, port))   # (the model loads once it serves)
     error = app.state.tokenmill.load_error

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,14 @@ from tokenmill.server.config import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_REQUEST_READ_TIMEOUT_S,
     ServerConfig,
+    TLSConfig,
 )
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
 METHOD = re.compile(r"[A-Za-z]+")
 HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")   # (RFC 9110's token)
+ROOT_PATH = re.compile(r"(/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")   # (RFC 3986's segments, no escapes)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "takes them (default *: any)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="with --allowed-origins: let such pages send the browser's cookies and credentials")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM, its chain after it; "
+                   "the private key too unless --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", default=None, help="with --ssl-certfile: the certificate's private key (PEM, "
+                   "unencrypted)")
+    g.add_argument("--ssl-ca-certs", default=None, help="with --ssl-certfile: the CAs (PEM) whose client "
+                   "certificates --ssl-cert-reqs checks")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="with --ssl-ca-certs: client certificates 0 not asked for, 1 checked when sent, 2 required")
+    g.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves this server under, "
+                   "stripping it before it forwards (e.g. /llm); the web pages work under any prefix")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice \"auto\", accepted so that its command lines run: tokenmill "
                    "always serves it (the model's syntax from --tool-call-parser or its chat template)")
@@ -118,6 +131,48 @@ def cors_settings(args: argparse.Namespace) -> dict[str, Any]:
             "allowed_headers": lists["allowed_headers"], "allow_credentials": args.allow_credentials}
 
 
+def tls_settings(args: argparse.Namespace) -> TLSConfig | None:
+    """The HTTPS settings from the flags (None: plain HTTP), their files read now: a missing file, a
+    key that is not the certificate's or a file that is not PEM is an error naming the flag here,
+    and not a traceback once the model has loaded (uvicorn reads them when it starts serving)."""
+    if args.ssl_certfile is None:
+        given = [f for f in ("--ssl-keyfile", "--ssl-ca-certs") if getattr(args, f[2:].replace("-", "_"))]
+        if given or args.ssl_cert_reqs:
+            raise TokenmillError(f"{given[0] if given else '--ssl-cert-reqs'}: needs --ssl-certfile (HTTPS)")
+        return None
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        raise TokenmillError(f"--ssl-cert-reqs {args.ssl_cert_reqs}: needs --ssl-ca-certs (the CAs whose client "
+                             "certificates to accept)")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None:
+            try:
+                Path(path).read_bytes()
+            except OSError as e:
+                raise TokenmillError(f"{flag}: cannot read {path!r}: {e.strerror}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except ssl.SSLError as e:
+        what = "--ssl-certfile" + (" and --ssl-keyfile" if args.ssl_keyfile else "")
+        raise TokenmillError(f"{what}: not a PEM certificate and its private key ({e.reason or e})") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except ssl.SSLError as e:
+            raise TokenmillError(f"--ssl-ca-certs: not PEM certificates ({e.reason or e})") from None
+    return TLSConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def root_path(value: str) -> str:
+    """--root-path as ASGI's root_path: "" or /segment[/segment...], a trailing slash dropped."""
+    path = value.rstrip("/")
+    if path and not ROOT_PATH.fullmatch(path):
+        raise TokenmillError(f"--root-path: {value!r} is not a URL path such as /llm (it begins with /, and holds "
+                             "no spaces, ? or #, no percent-escapes and no characters outside ASCII)")
+    return path
+
+
 def replica_roles(data_parallel_size: int, config: EngineConfig) -> list[str]:
     """One role per replica process ("both": data parallel; "prefill" + "decode": disaggregated);
     [] for a single engine in this process."""
@@ -168,6 +223,8 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if not args.request_read_timeout > 0:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
     cors = cors_settings(args)
+    tls = tls_settings(args)
+    prefix = root_path(args.root_path)
     # Check what can be checked fast, before the socket opens: the flags and the checkpoint's header
     # (a hub id is looked up, or downloaded, now).
     engine_config = EngineConfig(model=model, **engine_args)
@@ -182,7 +239,7 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     config = ServerConfig(model=path, served_model_name=served_name,
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout,
-                          allow_burst=args.allow_burst, **cors)
+                          allow_burst=args.allow_burst, tls=tls, root_path=prefix, **cors)
     if roles:
         return run_frontend(config, roles, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level,
                             args.log_level)

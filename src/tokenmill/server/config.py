@@ -12,6 +12,17 @@ DEFAULT_MAX_QUEUED_REQUESTS = 256
 DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 
 
+@dataclass(frozen=True)
+class TLSConfig:
+    """HTTPS: the server's certificate chain and key (PEM; the key may be in the certificate's
+    file), and for client certificates, the CAs that sign them and whether one is required."""
+
+    certfile: str
+    keyfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = 0   # ssl.VerifyMode: 0 no client certificate, 1 optional, 2 required
+
+
 @dataclass
 class ServerConfig:
     model: str                          # a .gguf file or HF folder
@@ -29,3 +40,7 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # HTTPS when set; and the path prefix a reverse proxy serves this server under, stripping it
+    # before it forwards a request (ASGI's root_path, as vLLM's --root-path)
+    tls: TLSConfig | None = None
+    root_path: str = ""

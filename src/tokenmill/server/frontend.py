@@ -286,8 +286,7 @@ class FrontEnd:
         counts in the replica's load); `on_done` runs once the relay is over, however it ends.
         `retry`: a replica that refuses the connection (it died, and supervision has not noticed
         yet) never saw the request, which then goes once to another replica of its role."""
-        # (the path as the client sent it, percent-escapes kept: the decoded one may hold bytes no URL can)
-        path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+        path = relayed_path(request)
         headers = request_headers(request)
         try:
             upstream_request = self.client.build_request(request.method, replica.url + path,
@@ -355,7 +354,7 @@ class FrontEnd:
         # client gone just as the prefill replica answers leaves its export to expire.)
         try:
             sent = await serving.unless_disconnected(request, self.client.post(
-                prefill.url + request.url.path, content=json.dumps(first).encode(), headers=headers))
+                prefill.url + relayed_path(request), content=json.dumps(first).encode(), headers=headers))
             if sent is None:
                 return Response(status_code=499)
             answer = sent.result()
@@ -437,10 +436,19 @@ def create_frontend(front: FrontEnd) -> FastAPI:
     return app
 
 
+def relayed_path(request: Request) -> str:
+    """The path as the client sent it, percent-escapes kept (the decoded one may hold bytes no URL
+    can), less the --root-path prefix uvicorn puts before it: a replica serves at /."""
+    path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+    root = request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def replica_config(config: ServerConfig, role: str) -> ServerConfig:
-    """A replica's settings: the server's, less CORS (only this front end talks to it), and its K/V
-    transfer role when disaggregated."""
-    config = dataclasses.replace(config, allowed_origins=[])
+    """A replica's settings: the server's, less CORS, HTTPS and the root path (only this front end
+    talks to it, over loopback, on paths without the prefix), and its K/V transfer role when
+    disaggregated."""
+    config = dataclasses.replace(config, allowed_origins=[], tls=None, root_path="")
     if role == "both":
         return config
     kv = KVTransferConfig.parse(config.engine_args["kv_transfer_config"])
@@ -471,7 +479,7 @@ def run_frontend(config: ServerConfig, roles: list[str], host: str, port: int, s
     app = create_frontend(front)
     # The replicas drain their own requests (SIGTERM at the start of the shutdown); the front end's
     # handlers end as their relays do.
-    server = draining_server(app, host, port, log_level, config.request_read_timeout, shutdown_timeout,
+    server = draining_server(app, config, host, port, log_level, shutdown_timeout,
                              lambda: None, front.stop_replicas)
     run_until_signal(server, listening_sockets(host, port))   # (the replicas start once it serves)
     return 1 if failure or not server.started else 0

@@ -190,7 +190,7 @@ async function generate() {
   render();
   const started = performance.now();
   try {
-    const response = await tm.fetch(mode === "chat" ? "/v1/chat/completions" : "/v1/completions", {
+    const response = await tm.fetch(mode === "chat" ? "v1/chat/completions" : "v1/completions", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
       signal: state.controller.signal,
     });

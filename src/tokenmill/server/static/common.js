@@ -96,7 +96,7 @@ const tm = {
 
   // The served model's name (null when the key is missing or wrong).
   async modelName() {
-    const response = await tm.fetch("/v1/models");
+    const response = await tm.fetch("v1/models");
     if (!response.ok) return null;
     const body = await response.json();
     return body.data[0].id;

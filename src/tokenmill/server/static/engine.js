@@ -322,7 +322,7 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 async function follow() {
   for (;;) {
     try {
-      const response = await tm.fetch("/engine/feed");
+      const response = await tm.fetch("engine/feed");
       if (response.status === 401) { setStatus("needs an API key"); return; }
       if (!response.ok) {
         setStatus(`feed: ${await tm.errorMessage(response)}; retrying`);
@@ -347,7 +347,7 @@ $("burst-form").addEventListener("submit", async (e) => {
     output_tokens: Number($("b-output").value), shared_prefix: Number($("b-shared").value) / 100,
     temperature: Number($("b-temperature").value),
   };
-  const response = await tm.fetch("/engine/burst", {
+  const response = await tm.fetch("engine/burst", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   });
   if (!response.ok) { $("burst-result").textContent = await tm.errorMessage(response); return; }
@@ -357,7 +357,7 @@ $("burst-form").addEventListener("submit", async (e) => {
 });
 
 $("b-abort").addEventListener("click", async () => {
-  const response = await tm.fetch("/engine/burst", { method: "DELETE" });
+  const response = await tm.fetch("engine/burst", { method: "DELETE" });
   $("burst-result").textContent = response.ok ? `aborted ${(await response.json()).aborted} requests`
     : await tm.errorMessage(response);
 });

@@ -32,7 +32,7 @@ from tokenmill.bench.serve import free_port, stop_process
 from tokenmill.cli import main
 from tokenmill.engine.input import load_engine
 from tokenmill.server import serving
-from tokenmill.server.app import HeaderTimeoutH11Protocol, ServerConfig, create_app
+from tokenmill.server.app import HeaderTimeoutH11Protocol, ServerConfig, create_app, draining_server
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.command import API_KEY_ENV
 
@@ -50,6 +50,7 @@ class ThreadServer:
         # log_config=None: uvicorn's loggers keep propagating to the root logger (and to caplog).
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
                                                     log_level="info", access_log=False, **config))
+        self.app = app
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         assert wait_for(lambda: self.server.started, 60), "the in-process server did not start"
@@ -177,6 +178,52 @@ def test_unhandled_error_is_a_500_body_logged_once_and_the_connection_stays_open
     assert path in errors[0].getMessage()
 
 
+def test_request_log_and_the_log_switches(tiny_gguf_model, inproc, monkeypatch, caplog):
+    path = tiny_gguf_model("llama")
+    config = ServerConfig(model=str(path), served_model_name="tiny", log_requests=True, max_log_len=6,
+                          log_stats=False, access_log=False)
+    s = ThreadServer(create_app(config, loaded=load_engine(str(path), dtype="float32", device="cpu")))
+    caplog.set_level(logging.INFO, logger="tokenmill.server.requests")
+    try:
+        assert wait_for(lambda: httpx.get(s.base + "/health").status_code == 200, 60)
+        r = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello there, friend", "max_tokens": 3,
+                                                         "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        with httpx.Client(timeout=60) as c, c.stream("POST", s.base + "/v1/completions", json={
+                "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}) as stream:
+            next(stream.iter_lines())   # (then the client goes away)
+        assert wait_for(lambda: any(m.startswith("aborted request") for m in caplog.messages), 60), caplog.messages
+        assert s.app.state.tokenmill.engine.stats_log_interval is None
+    finally:
+        s.stop()
+    logged = [r.getMessage() for r in caplog.records if r.name == "tokenmill.server.requests"]
+    received = re.fullmatch(r"received request (\S+): prompt: 'Hello ', params: SamplingParams\(n=1, max_tokens=3, "
+                            r".*\), prompt_token_ids: \[([\d, ]+)\]", logged[0])
+    assert received is not None and len(received.group(2).split(",")) == 6, logged
+    assert logged[1] == f"finished request {received.group(1)}: finish_reason length; " \
+        f"{r.json()['usage']['prompt_tokens']} prompt and 3 output tokens in " + logged[1].rsplit(" in ")[1]
+    assert logged[2].startswith("received request ") and logged[3].startswith("aborted request "), logged
+    # the defaults: stats lines every 5 s while busy, uvicorn's access log, no request log
+    assert inproc.app.state.tokenmill.engine.stats_log_interval == 5.0
+    assert not inproc.app.state.tokenmill.engine.log_requests
+    assert draining_server(s.app, config, "127.0.0.1", 1, "info", 1, lambda: None, lambda: None).config.access_log \
+        is False
+
+
+def test_serve_flags_reach_the_server_config(tiny_gguf_model, monkeypatch):
+    import tokenmill.server.app
+    configs = []
+    monkeypatch.setattr(tokenmill.server.app, "run_server", lambda config, *args: configs.append(config) or 0)
+    model = str(tiny_gguf_model("llama"))
+    assert main(["serve", model]) == 0
+    assert main(["serve", model, "--enable-log-requests", "--max-log-len", "7", "--disable-log-stats",
+                 "--disable-uvicorn-access-log", "--root-path", "/llm/"]) == 0
+    assert main(["serve", model, "--enable-log-requests", "--disable-log-requests"]) == 0
+    fields = [(c.log_requests, c.max_log_len, c.log_stats, c.access_log, c.root_path, c.tls) for c in configs]
+    assert fields == [(False, None, True, True, "", None), (True, 7, False, False, "/llm", None),
+                      (False, None, True, True, "", None)]
+
+
 # ---- paths, methods, empty messages ------------------------------------------------------------------
 
 def test_trailing_slash_is_a_404_naming_the_route(inproc):
@@ -223,7 +270,8 @@ def test_serve_refuses_bad_server_flags(capsys, default_gguf_path, monkeypatch):
                         # before the socket opens (they failed once the engine loaded, after "serving")
                         (["--dtype", "foo"], "dtype: 'foo' is not supported"),
                         (["--dtype", "float16", "--device", "cpu"], "dtype: float16 is not supported on CPU"),
-                        (["--device", "tpu"], "device: 'tpu' is not a valid torch device")):
+                        (["--device", "tpu"], "device: 'tpu' is not a valid torch device"),
+                        (["--max-log-len", "-1"], "--max-log-len: must be >= 0, got -1")):
         assert main(["serve", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"tokenmill: error: {words}") and "Traceback" not in err, err

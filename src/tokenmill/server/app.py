@@ -48,7 +48,7 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.input import InputProcessor, load_engine
 from tokenmill.errors import TokenmillError
 from tokenmill.server import serving
-from tokenmill.server.async_engine import AsyncEngine, EngineStoppedError, engine_thread
+from tokenmill.server.async_engine import DEFAULT_STATS_LOG_INTERVAL, AsyncEngine, EngineStoppedError, engine_thread
 from tokenmill.server.config import DEFAULT_REQUEST_READ_TIMEOUT_S, ServerConfig
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
@@ -102,8 +102,11 @@ class ServerState:
                 logger.info("loading %s ...", self.config.model)
                 self.loaded = await asyncio.get_running_loop().run_in_executor(
                     executor, functools.partial(load_engine, self.config.model, **self.config.engine_args))
-            engine = AsyncEngine(*self.loaded, self.config.max_queued_requests, self.metrics, executor,
-                                 on_fatal=self._on_fatal)
+            config = self.config
+            engine = AsyncEngine(*self.loaded, config.max_queued_requests, self.metrics, executor,
+                                 stats_log_interval=DEFAULT_STATS_LOG_INTERVAL if config.log_stats else None,
+                                 on_fatal=self._on_fatal, log_requests=config.log_requests,
+                                 max_log_len=config.max_log_len)
             engine.start()
             self.engine = engine
             logger.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
@@ -509,6 +512,7 @@ def draining_server(app: ASGIApp, config: ServerConfig, host: str, port: int, lo
                        http=HeaderTimeoutH11Protocol.with_timeout(config.request_read_timeout),
                        timeout_graceful_shutdown=shutdown_timeout + DRAIN_BACKSTOP_S,
                        h11_max_incomplete_event_size=head_limit, root_path=config.root_path,
+                       access_log=config.access_log,
                        **({} if tls is None else {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile,
                                                   "ssl_ca_certs": tls.ca_certs, "ssl_cert_reqs": tls.cert_reqs})),
         shutdown_timeout, on_drain_timeout, on_shutdown)

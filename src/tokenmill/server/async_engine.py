@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 # A logger of its own so that the periodic line can be silenced alone (its level set to WARNING)
 # while the engine's errors still show; under "tokenmill", so `--log-level` reaches it.
 stats_logger = logging.getLogger("tokenmill.server.stats")
+request_logger = logging.getLogger("tokenmill.server.requests")
 
 DEFAULT_STATS_LOG_INTERVAL = 5.0   # seconds; vLLM logs its stats line every 5 s too
 
@@ -184,6 +185,10 @@ class AsyncEngine:
     `executor`: the one thread to step the engine in (the thread that loaded it, ideally: see
     engine_thread); `stop` shuts it down unless `keep_executor` (its owner steps more engines in it).
 
+    `log_requests`: log each request at INFO (logger tokenmill.server.requests) when it is accepted
+    (its prompt and at most `max_log_len` of its characters and token ids, None: all; its sampling
+    parameters) and when it ends (how, its token counts and time), as vLLM's --enable-log-requests.
+
     `on_fatal(error)`: called once if the engine dies (errors.EngineDeadError: a tensor-parallel
     worker is gone); every request in flight has failed by then and no more are taken."""
 
@@ -191,7 +196,8 @@ class AsyncEngine:
                  metrics: ServerMetrics | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  stats_log_interval: float | None = DEFAULT_STATS_LOG_INTERVAL, keep_executor: bool = False,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, log_requests: bool = False,
+                 max_log_len: int | None = None):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or \
                 max_queued_requests < 0:
             raise TokenmillError(f"max_queued_requests must be an integer >= 0, got {max_queued_requests!r}")
@@ -224,6 +230,8 @@ class AsyncEngine:
         self.monitor = EngineMonitor(engine, self._wake.set)   # the live view's feed (GET /engine/feed)
         self.on_fatal = on_fatal
         self.fatal_error: BaseException | None = None
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -379,6 +387,11 @@ class AsyncEngine:
                 continue
             self._streams[stream.request_id] = stream
             add.accepted.set_result(None)
+            if self.log_requests:
+                cut = slice(self.max_log_len)
+                request_logger.info("received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                                    stream.request_id, None if add.prompt is None else add.prompt[cut], add.params,
+                                    add.prompt_token_ids[cut])
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
         aborts, self._pending_aborts = self._pending_aborts, []
@@ -402,6 +415,8 @@ class AsyncEngine:
                 stream._fail(error)
             if self.metrics is not None:
                 self.metrics.count(status)
+            if self.log_requests:
+                request_logger.info("aborted request %s%s", request_id, "" if error is None else f": {error}")
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
@@ -417,6 +432,12 @@ class AsyncEngine:
                 del self._streams[output.request_id]
                 self._num_seqs -= stream.num_seqs
                 stream.finished = True
+                if self.log_requests:
+                    how = f"failed ({output.error})" if output.error is not None else \
+                        "finish_reason " + ", ".join(str(o.finish_reason) for o in output.outputs)
+                    request_logger.info("finished request %s: %s; %d prompt and %d output tokens in %.3f s",
+                                        output.request_id, how, stream.num_prompt_tokens,
+                                        stream.num_output_tokens, now - stream.arrival_time)
 
     def _observe(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
         num_tokens = sum(len(o.token_ids) for o in output.outputs)

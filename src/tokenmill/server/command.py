@@ -71,6 +71,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --ssl-ca-certs: client certificates 0 not asked for, 1 checked when sent, 2 required")
     g.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves this server under, "
                    "stripping it before it forwards (e.g. /llm); the web pages work under any prefix")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                   help="log each request when received (its prompt, sampling parameters and prompt token ids) and "
+                   "when it ends (logger tokenmill.server.requests)")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="no such log (the default)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: the most characters of a prompt, and of its token ids, logged "
+                   "(default: all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line every 5 s while the engine is busy (logger tokenmill.server.stats)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request from uvicorn")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice \"auto\", accepted so that its command lines run: tokenmill "
                    "always serves it (the model's syntax from --tool-call-parser or its chat template)")
@@ -222,6 +233,8 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise TokenmillError(f"--max-log-len: must be >= 0, got {args.max_log_len}")
     cors = cors_settings(args)
     tls = tls_settings(args)
     prefix = root_path(args.root_path)
@@ -239,7 +252,10 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     config = ServerConfig(model=path, served_model_name=served_name,
                           engine_args=engine_args, max_queued_requests=args.max_queued_requests, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, request_read_timeout=args.request_read_timeout,
-                          allow_burst=args.allow_burst, tls=tls, root_path=prefix, **cors)
+                          allow_burst=args.allow_burst, tls=tls, root_path=prefix,
+                          log_requests=args.log_requests, max_log_len=args.max_log_len,
+                          log_stats=not args.disable_log_stats, access_log=not args.disable_uvicorn_access_log,
+                          **cors)
     if roles:
         return run_frontend(config, roles, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level,
                             args.log_level)

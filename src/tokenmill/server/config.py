@@ -44,3 +44,9 @@ class ServerConfig:
     # before it forwards a request (ASGI's root_path, as vLLM's --root-path)
     tls: TLSConfig | None = None
     root_path: str = ""
+    # Logs: a line per request received and ended (its prompt and token ids cut at max_log_len
+    # characters and ids; None: whole), the engine's stats line while busy, uvicorn's access log
+    log_requests: bool = False
+    max_log_len: int | None = None
+    log_stats: bool = True
+    access_log: bool = True

@@ -391,6 +391,49 @@ def test_inverse_cdf_never_lands_on_a_token_of_probability_zero() -> None:
     assert inverse_cdf(probs, uniform).tolist() == [1, 1, 3, 3, 3, 2, 4, 4]
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000])   # (1000: the last block padded)
+def test_inverse_cdf_in_two_levels_draws_as_the_whole_rows_float64_cdf(vocab: int) -> None:
+    """The block-then-token search equals a search of the whole row's float64 running sum, but
+    where the point lies within rounding of a boundary (none here in 6400 draws over rows from
+    peaked to flat, with zeros and whole blocks of zeros)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, vocab, generator=g) * torch.linspace(0.5, 8.0, 64).unsqueeze(1)
+    probs = logits.softmax(dim=-1)
+    probs[:16].masked_fill_(torch.rand(16, vocab, generator=g) < 0.5, 0.0)
+    probs[16:32, :600] = 0.0   # (whole blocks of zeros before the mass)
+    for _ in range(100):
+        uniform = torch.rand(64, dtype=torch.float64, generator=g)
+        cdf = probs.double().cumsum(dim=-1)
+        expected = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        assert torch.equal(inverse_cdf(probs, uniform), expected)
+    sparse = torch.zeros(3, vocab)
+    sparse[:, 300], sparse[:, 777] = 1.0, 3.0
+    edges = torch.tensor([0.0, 0.25, 1.0], dtype=torch.float64)
+    assert inverse_cdf(sparse, edges).tolist() == [300, 777, 777]
+
+
+def test_the_nucleus_bound_decides_only_draws_inside_the_nucleus() -> None:
+    """sample_nucleus skips the exact test (the mass of the tokens more likely than the draw) where
+    surely_in_nucleus says the draw is inside: it must never say so of a draw outside, and decide
+    most draws of peaked rows (else it saves nothing)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(256, 4096, generator=g) * torch.linspace(0.5, 12.0, 256).unsqueeze(1)
+    logits[:8, :3] = logits[:8, :3].amax(dim=-1, keepdim=True)   # (ties at the largest logit)
+    probs = logits.softmax(dim=-1)
+    decided = 0
+    for top_p in (0.5, 0.9, 0.95, 1.0):
+        top_p = torch.full((256,), top_p)
+        ids = inverse_cdf(probs, torch.rand(256, dtype=torch.float64, generator=g))
+        drawn = logits.gather(1, ids.unsqueeze(1))
+        above = probs.masked_fill(logits <= drawn, 0.0).sum(dim=-1)
+        inside = (above < top_p) | (top_p >= 1.0)
+        sure = sampler_module.surely_in_nucleus(drawn.squeeze(1), probs.gather(1, ids.unsqueeze(1)).squeeze(1),
+                                                logits.amax(dim=-1), top_p)
+        assert not (sure & ~inside).any()
+        decided += int(sure[128:].sum())
+    assert decided > 0.75 * 4 * 128
+
+
 @pytest.mark.parametrize("max_rounds", [16, 1, 0])
 @pytest.mark.parametrize("top_p, min_p, support", [(0.12, 0.0, 3), (0.5, 0.1, 4)])
 def test_nucleus_draws_match_the_thresholds(monkeypatch, max_rounds: int, top_p: float, min_p: float,

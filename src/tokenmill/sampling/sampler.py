@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.sampling.batch import SamplingBatch
 from tokenmill.sampling.processing import logits_before_top_k, nucleus_filtered, top_k_filtered
@@ -226,19 +227,39 @@ def sample_nucleus(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torc
         return ids
     # the rows still drawing (at first every row), and their rows of each tensor
     pending, mine_ids, mine_top_p = torch.arange(rows), ids, top_p
-    mine, mine_probs, mine_weights = logits, probs, weights
+    mine, mine_probs, mine_weights, mine_max = logits, probs, weights, logits.amax(dim=-1)
     for _ in range(MAX_ROUNDS):
         drawn = mine.gather(1, mine_ids.unsqueeze(1))
-        above = mine_probs.masked_fill(mine <= drawn, 0.0).sum(dim=-1)
-        outside = (above >= mine_top_p) & (mine_top_p < 1.0)
-        pending, drawn = pending[outside], drawn[outside]
-        if len(pending) == 0:
+        # only rows a bound cannot decide sum the mass above their token (most draws are decided)
+        unsure = (~surely_in_nucleus(drawn.squeeze(1), mine_probs.gather(1, mine_ids.unsqueeze(1)).squeeze(1),
+                                     mine_max, mine_top_p)).nonzero().squeeze(1)
+        if len(unsure) == 0:
             return ids
-        mine, mine_probs, mine_top_p = mine[outside], mine_probs[outside], mine_top_p[outside]
+        in_doubt, doubt_probs = _rows_of(unsure, mine, mine_probs)
+        above = doubt_probs.masked_fill(in_doubt <= drawn[unsure], 0.0).sum(dim=-1)
+        outside = unsure[above >= mine_top_p[unsure]]
+        if len(outside) == 0:
+            return ids
+        pending, drawn = pending[outside], drawn[outside]
+        mine, mine_probs, mine_top_p, mine_max = _rows_of(outside, mine, mine_probs, mine_top_p, mine_max)
         mine_weights = mine_weights[outside].masked_fill_(mine <= drawn, 0.0)
         ids[pending] = mine_ids = inverse_cdf(mine_weights, _uniform(len(pending), logits.device))
     ids[pending] = _draw_by_thresholds(*_rows_of(pending, logits, top_p, min_p))
     return ids
+
+
+# How far below top_p the mass of a drawn token's other tokens must be for surely_in_nucleus: far
+# more than a float32 sum of a vocabulary's probabilities can be off (the exact test sums them).
+NUCLEUS_MARGIN = 1e-4
+
+
+def surely_in_nucleus(drawn_logit: torch.Tensor, drawn_prob: torch.Tensor, max_logit: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the drawn token is in its row's top-p nucleus by a bound, without summing the mass
+    of the tokens more likely than it: top_p is 1 (every token is kept), none is more likely (it
+    has the largest logit), or all the other tokens together hold less than top_p. False means
+    undecided."""
+    return (top_p >= 1.0) | (drawn_logit >= max_logit) | (1.0 - drawn_prob < top_p - NUCLEUS_MARGIN)
 
 
 def _draw_by_thresholds(logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -251,17 +272,36 @@ def _uniform(rows: int, device: torch.device) -> torch.Tensor:
     return torch.rand(rows, dtype=torch.float64, device=device)
 
 
+# Entries per block of inverse_cdf's two-level CDF.
+CDF_BLOCK = 256
+
+
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[B] token ids: row b's id is where its CDF (probs[b] / probs[b].sum()) first exceeds
-    uniform[b] ([B] float64 in [0, 1)), i.e. a draw from that distribution. The CDF is summed in
-    float64: a float32 running sum over a whole vocabulary rounds by up to ~V ulps, which would move
-    that much mass between tokens. The point is kept below the total (u x total can round up to it),
-    and a token of probability 0 adds nothing to the CDF, so the first entry above the point is
-    never one."""
-    cdf = probs.double().cumsum_(dim=-1)
-    total = cdf[:, -1:]
+    uniform[b] ([B] float64 in [0, 1)), i.e. a draw from that distribution.
+
+    In two levels, so that no float64 copy of the whole row is made: the CDF of blocks of CDF_BLOCK
+    tokens (each block's float32 sum, run in float64) finds the point's block, then the float64
+    running sum of that block's entries alone finds the token, at the same share of the block's
+    mass. A float32 running sum over a whole vocabulary would round by up to ~V ulps, moving that
+    much mass between tokens; here each token's probability is off by the relative rounding of its
+    block's float32 sum, as small as that of the float32 probabilities themselves. The point is
+    kept below the total (u x total can round up to it) and below its block's running sum, and a
+    token of probability 0 adds nothing to the CDF, so the first entry above the point is never one."""
+    rows, vocab = probs.shape
+    pad = -vocab % CDF_BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, CDF_BLOCK)
+    block_sums = blocks.sum(dim=-1)
+    block_cdf = block_sums.double().cumsum_(dim=-1)
+    total = block_cdf[:, -1:]
     point = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, point, right=True).squeeze(1)
+    block = torch.searchsorted(block_cdf, point, right=True)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)
+    inside = blocks.gather(1, block.unsqueeze(2).expand(-1, -1, CDF_BLOCK)).squeeze(1).double().cumsum_(dim=-1)
+    last = inside[:, -1:]
+    offset = (point - before) / block_sums.gather(1, block).double() * last
+    offset = torch.minimum(offset, torch.nextafter(last, torch.zeros_like(last)))
+    return (block * CDF_BLOCK + torch.searchsorted(inside, offset, right=True)).squeeze(1)
 
 
 _TINY = torch.finfo(torch.float32).tiny

@@ -260,6 +260,65 @@ def test_logprobs_are_the_model_log_softmax(llm, llama_dir, k):
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
 
 
+LONG_PROMPT = "The river ran past the mill, and the miller counted the sacks of grain one by one " * 3
+
+
+def assert_prompt_logprobs_match(out, ref: torch.Tensor, k: int, tok) -> None:
+    """`out.prompt_logprobs` against `ref`, transformers' log_softmax over the prompt's rows."""
+    ids = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[i], ref[i - 1]
+        top = row.topk(k).indices.tolist() if k else []
+        assert set(entry) == set(top) | {ids[i]}
+        assert [t for t, lp in entry.items() if lp.rank is not None and lp.rank <= k] == top
+        assert entry[ids[i]].rank == int((row > row[ids[i]]).sum()) + 1
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(row[t].item(), abs=1e-4)
+            assert lp.decoded_token == tok.decode([t])
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_are_the_model_log_softmax_whatever_the_chunks_and_cache(llama_dir, k):
+    """Prompt tokens scored as transformers scores them, with the prompt computed in one step or in
+    chunks of 7 rows, and with the prefix cache holding it already (a request that wants its
+    prompt scored computes it anyway); n = 2 scores it once; speculative decoding's draft leaves it
+    to the target; sampling is unchanged."""
+    ref_model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+    for options in ({}, {"max_num_batched_tokens": 7}, {"speculative_config": {"method": "ngram",
+                                                                                "num_speculative_tokens": 2}}):
+        llm = LLM(str(llama_dir), dtype="float32", **options)
+        first = run(llm, LONG_PROMPT, params)[0]
+        again = run(llm, LONG_PROMPT, params)[0]   # (its prompt is in the prefix cache now)
+        assert again.num_cached_tokens == 0 and run(llm, LONG_PROMPT, greedy(1))[0].num_cached_tokens > 0
+        with torch.inference_mode():
+            ref = ref_model(torch.tensor([first.prompt_token_ids])).logits[0].log_softmax(-1)
+        for out in (first, again):
+            assert_prompt_logprobs_match(out, ref, k, llm.tokenizer)
+            assert out.outputs[0].token_ids == run(llm, LONG_PROMPT, greedy(4))[0].outputs[0].token_ids
+        two = run(llm, LONG_PROMPT, SamplingParams(n=2, max_tokens=2, seed=1, prompt_logprobs=k))[0]
+        assert_prompt_logprobs_match(two, ref, k, llm.tokenizer)
+        assert run(llm, LONG_PROMPT, greedy(2))[0].prompt_logprobs is None
+        assert_engine_idle(llm)
+
+
+def test_prompt_logprobs_survive_preemption(llama_dir):
+    """Requests preempted (recomputed) while or after their prompt is scored keep one entry per
+    prompt token, each as transformers scores it."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=24, block_size=8, max_num_batched_tokens=24,
+              enable_prefix_caching=False)
+    prompts = [f"{word}: " + LONG_PROMPT for word in ("one", "two", "three", "four", "five", "six")]
+    outs = run(llm, prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
+    assert llm.engine.scheduler.num_preemptions > 0
+    ref_model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    for out in outs:
+        with torch.inference_mode():
+            ref = ref_model(torch.tensor([out.prompt_token_ids])).logits[0].log_softmax(-1)
+        assert_prompt_logprobs_match(out, ref, 1, llm.tokenizer)
+    assert_engine_idle(llm)
+
+
 # ---------------------------------------------------------------- chat
 
 

@@ -101,6 +101,9 @@ def kept(logits_row: torch.Tensor) -> set[int]:
         ("ignore_eos", {"ignore_eos": "yes"}),
         ("logprobs", {"logprobs": -1}),
         ("logprobs", {"logprobs": 21}),
+        ("prompt_logprobs", {"prompt_logprobs": -1}),
+        ("prompt_logprobs", {"prompt_logprobs": 21}),
+        ("prompt_logprobs", {"prompt_logprobs": 1, "kv_transfer_params": {"remote_kv": "x"}}),
         ("skip_special_tokens", {"skip_special_tokens": None}),
     ],
 )

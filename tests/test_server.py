@@ -236,6 +236,41 @@ def test_completion_logprobs(client, model_name):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model_name, tokenizer, server):
+    """The scoring request of evaluation harnesses (lm-evaluation-harness's loglikelihood): echo +
+    logprobs returns every prompt token's logprob (the first's null), max_tokens 0 nothing else."""
+    text = PROMPT + " Paris"
+    ids = tokenizer.encode(text)
+    scored = client.completions.create(model=model_name, prompt=text, max_tokens=0, echo=True, logprobs=2,
+                                       temperature=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == text and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert value < 0 and top[token] == value and max(top.values()) >= value
+        assert len(top) in (2, 3) and (len(top) == 2) == (value >= sorted(top.values())[-2])
+    # the last prompt token's logprob is what a request generating it reports
+    generated = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    assert generated.choices[0].text == " Paris"
+    assert lp.token_logprobs[-1] == pytest.approx(generated.choices[0].logprobs.token_logprobs[0], abs=1e-3)
+    # streamed, with tokens after the prompt (their offsets go on from the prompt's) and n = 2
+    body = {"model": model_name, "prompt": text, "max_tokens": 3, "echo": True, "logprobs": 0, "n": 2,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, headers=auth(KEY), timeout=60) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        values = [v for c in mine if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+        offsets = [o for c in mine if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        assert "".join(c["text"] for c in mine) == "".join(tokens) and len(tokens) == len(ids) + 3
+        assert values[:len(ids)] == lp.token_logprobs and offsets == [len("".join(tokens[:i]))
+                                                                     for i in range(len(tokens))]
+
+
 # ---- chat ------------------------------------------------------------------------------------------
 
 def test_chat_stream_and_not_with_usage(client, model_name, tokenizer):
@@ -335,7 +370,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "stop": [""]}, 400, "stop", None),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", None),

@@ -59,6 +59,9 @@ class RequestOutput:
                                     # (a structured-output constraint past the grammar engine's limits)
     metrics: RequestMetrics | None = None   # with speculative decoding: its proposals and acceptance
     kv_transfer_params: dict | None = None  # a K/V producer's: {"remote_kv": NAME}, the prompt's exported K/V
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-k at its position
+    # (None for the first token, which nothing predicts), once the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -112,6 +112,12 @@ class OutputProcessor:
         sample = parent.samples[request.request_id]
         if sample.output.index == 0:
             parent.output.num_cached_tokens = request.num_cached_tokens
+            if request.params.prompt_logprobs is not None and parent.output.prompt_logprobs is None and \
+                    not request.needs_prompt_logprobs:
+                parent.output.prompt_logprobs = [None] + [
+                    self._logprob_entry(token_id, lp, rank, top)
+                    for token_id, (lp, rank, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs,
+                                                         strict=True)]
             if request.kv_exported is not None:
                 parent.output.kv_transfer_params = {"remote_kv": request.kv_exported}
         if self.engine.speculator is not None:
@@ -121,6 +127,15 @@ class OutputProcessor:
                                                    sum(s.num_draft_tokens for s in states),
                                                    sum(s.num_accepted_tokens for s in states))
         self._update_sample(request, sample)
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int | None,
+                       top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        """A token's logprobs entry: the top-k by rank (most likely first), then the token itself
+        if it is not among them (with its rank where known)."""
+        entry = {tid: Logprob(tlp, i + 1, self.tokenizer.decode([tid])) for i, (tid, tlp) in enumerate(top)}
+        if token_id not in entry:
+            entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+        return entry
 
     def _fail(self, parent: _Parent, child_id: str, error: str, param: str | None = None) -> None:
         """End the whole request: the failed sample with "error", its siblings aborted."""
@@ -145,11 +160,7 @@ class OutputProcessor:
                 out.token_ids.append(token_id)
             if token_id is not None and out.logprobs is not None:
                 lp, top = new_logprobs[i]
-                entry = {tid: Logprob(tlp, rank + 1, self.tokenizer.decode([tid]))
-                         for rank, (tid, tlp) in enumerate(top)}
-                if token_id not in entry:
-                    entry[token_id] = Logprob(lp, None, self.tokenizer.decode([token_id]))
-                out.logprobs.append(entry)
+                out.logprobs.append(self._logprob_entry(token_id, lp, None, top))
                 out.cumulative_logprob += lp
             ends = last and request.is_finished
             # As vLLM: the EOS or stop token that ended the request is in token_ids, not in the text.

@@ -26,8 +26,11 @@ class ParentRequest:
     def fan_out(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                 share_prompt: bool) -> ParentRequest:
         """The children of a request; with `share_prompt` (prefix caching on) all but child 0 wait."""
+        # (the prompt's log-probabilities are computed once, by child 0)
         children = [(f"{request_id}#{i}", dataclasses.replace(params, n=1, seed=None if params.seed is None
-                                                                else params.seed + i))
+                                                                else params.seed + i,
+                                                                prompt_logprobs=params.prompt_logprobs if i == 0
+                                                                else None))
                     for i in range(params.n)]
         return cls(list(prompt_token_ids), priority, children, children[1 if share_prompt else params.n:])
 

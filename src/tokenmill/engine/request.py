@@ -107,6 +107,9 @@ class Request:
     kv_load: LoadedKV | None = None        # a consumer's: K/V of a prompt prefix, written in at admission
     # Per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Per prompt token after the first, once computed (params.prompt_logprobs): (its logprob, its
+    # rank, [(token_id, logprob), ...] top-k).
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
 
     all_token_ids: list[int] = field(init=False)   # prompt + output, kept in step with output_token_ids
 
@@ -123,6 +126,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all computed yet (they need the
+        prompt's rows computed: no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

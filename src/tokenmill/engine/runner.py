@@ -2,12 +2,13 @@
 
 Per step: input_ids[T], positions[T], AttentionMetadata (see layers/attention.py for the layout)
 and `logits_rows`, the last row of every request whose computed tokens reach its total this step
-(a prefill chunk that ends mid-prompt needs no logits).
+(a prefill chunk that ends mid-prompt needs no logits), and the prompt rows of a request that
+asked for its prompt's log-probabilities (Rows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,41 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class Rows:
+    """Whose rows a step's logits are, in the order of the scheduled requests: those of each request
+    that samples (1 + len(spec_token_ids) rows: `sampled`, at `sample_index`), after, for a request
+    scoring its prompt (params.prompt_logprobs), the rows whose next token is a prompt token
+    (`scored`: (request, first, end), its positions first .. end - 1, at `score_index`)."""
+
+    sampled: list[Request] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)
+    scored: list[tuple[Request, int, int]] = field(default_factory=list)
+    score_index: list[int] = field(default_factory=list)
+
+
+def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int, int]]) -> None:
+    """Append to each scored request's prompt_logprobs those of its prompt tokens first + 1 .. end,
+    from `logits` (the rows of its positions first .. end - 1, request after request): each one's
+    raw log-probability, its rank (1: the most likely) and the prompt_logprobs most likely tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.tensor([t for r, first, end in scored for t in r.prompt_token_ids[first + 1:end + 1]],
+                           device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    k = max(r.params.prompt_logprobs for r, _, _ in scored)
+    top = logprobs.topk(k, dim=-1) if k else None
+    top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+    chosen = chosen.squeeze(1).tolist()
+    row = 0
+    for request, first, end in scored:
+        mine = request.params.prompt_logprobs
+        for i in range(row, row + end - first):
+            top_i = list(zip(top_ids[i][:mine], top_lps[i][:mine], strict=True)) if mine else []
+            request.prompt_logprobs.append((chosen[i], ranks[i], top_i))
+        row += end - first
 
 
 class ModelRunner:
@@ -50,7 +86,7 @@ class ModelRunner:
         bind_kv_caches(model, kv_caches, attention_backend, layer_groups)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                                      list[int], list[Request]]:
+                                                                      list[int], Rows]:
         """The packed batch. A request verifying k proposed tokens (`spec_token_ids`, scheduled with
         its one uncomputed token: n = k + 1), or one of at most `single_query_rows` rows, enters
         attention as n single-query entries over its block tables, at consecutive positions: every
@@ -63,7 +99,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         owners: list[Request] = []   # each attention entry's request
         logits_rows: list[int] = []
-        sampled: list[Request] = []
+        whose = Rows()
         bs = self.block_size
         slots: list[list[int]] = [[] for _ in scheduled[0][0].tables]   # per KV cache group, per row
         for request, n in scheduled:
@@ -80,9 +116,18 @@ class ModelRunner:
                 query_start_loc.append(query_start_loc[-1] + rows)
                 seq_lens.append(seq_len)
                 owners.append(request)
+            if request.needs_prompt_logprobs:
+                # the rows of this chunk whose next token is a prompt token not scored yet
+                first = max(start, len(request.prompt_logprobs))
+                end = min(start + n, len(request.prompt_token_ids) - 1)
+                if first < end:
+                    whose.score_index.extend(range(len(logits_rows), len(logits_rows) + end - first))
+                    logits_rows.extend(range(len(ids) - n + first - start, len(ids) - n + end - start))
+                    whose.scored.append((request, first, end))
             if start + n == request.num_tokens + len(spec):
+                whose.sample_index.extend(range(len(logits_rows), len(logits_rows) + 1 + len(spec)))
                 logits_rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
-                sampled.append(request)
+                whose.sampled.append(request)
         seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)
         groups = []   # the metadata of each KV cache group: the same rows over the group's own block tables
         for group, group_slots in enumerate(slots):
@@ -98,18 +143,18 @@ class ModelRunner:
         meta = groups[0]
         meta.other_groups = tuple(groups[1:])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, torch.tensor(positions, dtype=torch.int64, device=self.device), meta, logits_rows, sampled
+        return input_ids, torch.tensor(positions, dtype=torch.int64, device=self.device), meta, logits_rows, whose
 
-    def logits(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, list[Request]]:
+    def logits(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, Rows]:
         """Run the model on one step's batch: the logits of the rows that need them ([rows, V], in
-        request order, 1 + len(spec_token_ids) rows each) and the requests they belong to. Under
-        tensor parallelism the batch goes to the workers first, which run it with this process."""
-        input_ids, positions, meta, logits_rows, sampled = self.prepare(scheduled)
+        request order) and whose rows they are. Under tensor parallelism the batch goes to the
+        workers first, which run it with this process."""
+        input_ids, positions, meta, logits_rows, rows = self.prepare(scheduled)
         if self.workers is None:
-            return self.run(input_ids, positions, meta, logits_rows), sampled
+            return self.run(input_ids, positions, meta, logits_rows), rows
         try:
             self.workers.step((input_ids, positions, meta, logits_rows))
-            return self.run(input_ids, positions, meta, logits_rows), sampled
+            return self.run(input_ids, positions, meta, logits_rows), rows
         except ParallelError as e:
             raise self.workers.explain(e) from e
         except Exception as e:   # this rank stopped mid-forward: the others may be waiting in a collective
@@ -133,9 +178,15 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, list[SampledToken]]]:
         """Run one step; returns the new tokens of each request that completed its tokens: one, or,
         verifying proposed tokens, those accepted and the target's own token after them."""
-        logits, sampled = self.logits(scheduled)
+        logits, rows = self.logits(scheduled)
         if logits is None:
             return []
+        if rows.scored:
+            score_prompts(logits[torch.tensor(rows.score_index, device=self.device)], rows.scored)
+            if not rows.sampled:
+                return []
+            logits = logits[torch.tensor(rows.sample_index, device=self.device)]
+        sampled = rows.sampled
         # Row j of a request verifying proposals d_1..d_k samples what follows d_1..d_j: its output
         # so far includes them (penalties, min_tokens), its mask is the grammar's after them.
         rows = [(r, j) for r in sampled for j in range(len(r.spec_token_ids) + 1)]

@@ -109,7 +109,7 @@ class Scheduler:
                budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached_blocks = 0 if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached = num_cached_blocks * self.kv.block_size
             # Received K/V beyond the cached prefix counts as computed too (the last token never: it
             # gives the logits of the first sampled token).

@@ -48,7 +48,7 @@ nobody speculates (nor spends the proposers' time).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -249,8 +249,11 @@ class DraftModelProposer:
         """The request's shadow, holding the target's tokens, its K/V valid where they agree."""
         shadow = self.shadows.get(request.request_id)
         if shadow is None:
+            # (the target scores the prompt where asked, not its draft)
+            params = request.params if request.params.prompt_logprobs is None else \
+                replace(request.params, prompt_logprobs=None)
             shadow = self.shadows[request.request_id] = Request(request.request_id, list(request.prompt_token_ids),
-                                                                request.params, request.max_tokens, frozenset())
+                                                                params, request.max_tokens, frozenset())
             shadow.generator = None   # draws nothing: proposals use the target's noise
         same = self.synced.get(request.request_id, 0)   # the target only appends: those stay the same
         for mine, theirs in zip(shadow.all_token_ids[same:], request.all_token_ids[same:]):  # noqa: B905

@@ -117,6 +117,12 @@ class SamplingParams:
     temperature and filtering; under `structured_outputs`, of that distribution restricted to the
     tokens the constraint allows (renormalized), the one the token was actually drawn from."""
 
+    prompt_logprobs: int | None = None
+    """None: none. k in [0, 20]: the log-probability of every prompt token after the first under
+    the model given the tokens before it (RequestOutput.prompt_logprobs; the first entry is None),
+    with the k most likely tokens at its position; of the raw model distribution, as `logprobs`.
+    The whole prompt is computed for them: such a request takes no prefix-cache hit for it."""
+
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized output text."""
 
@@ -163,8 +169,13 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS, none_ok=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS, none_ok=True)
+        if self.prompt_logprobs is not None and isinstance(self.kv_transfer_params, dict) and \
+                "remote_kv" in self.kv_transfer_params:
+            raise SamplingParamsError("prompt_logprobs", "cannot be combined with kv_transfer_params remote_kv: the "
+                                      "prompt's K/V is loaded, not computed")
         if self.kv_transfer_params is not None and (
                 not isinstance(self.kv_transfer_params, dict) or
                 self.kv_transfer_params not in ({"do_remote_decode": True}, {"do_remote_decode": False}) and

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.input import InputProcessor, ToolPlan
 from tokenmill.errors import TokenmillError
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling import SamplingParams, SamplingParamsError
 from tokenmill.sampling.structured import StructuredOutputsParams
 from tokenmill.server.async_engine import (
@@ -61,6 +61,10 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool = False              # usage so far on every chunk
     echo: bool = False
+    # echo with max_tokens 0: the prompt alone (with logprobs, scored); the one token the engine
+    # samples after it is not part of the answer
+    score_only: bool = False
+    first_tokens: list[str] = dataclasses.field(default_factory=list)   # with echo: each prompt's first token
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
     tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
 
@@ -185,12 +189,16 @@ def check_export(params: SamplingParams, stream: bool, num_prompts: int) -> None
 
 
 def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepared:
-    if req.echo and req.logprobs is not None:
-        raise ErrorBody(400, "echo: prompt log-probabilities are not supported, so echo cannot be combined "
-                        "with logprobs", param="echo")
     include_usage, continuous_usage = _check_stream_options(req)
     renames: dict[str, str] = {}
-    params = sampling_params(req, inputs.default_sampling_params(), req.max_tokens, req.logprobs, renames)
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise ErrorBody(400, "max_tokens: must be >= 1 (0 only with echo: the prompt returned, with logprobs scored, "
+                        "and nothing generated)", param="max_tokens")
+    params = sampling_params(req, inputs.default_sampling_params(), 1 if score_only else req.max_tokens,
+                             req.logprobs, renames)
+    if req.echo and req.logprobs is not None:   # (the echoed prompt's tokens get theirs too)
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
@@ -202,8 +210,9 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
     check_export(params, req.stream, len(prompts))
+    first_tokens = [inputs.tokenizer.decode(ids[:1]) for _, ids in prompts] if req.echo else []
     return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo,
-                    renames=renames)
+                    score_only=score_only, first_tokens=first_tokens, renames=renames)
 
 
 def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared:
@@ -341,27 +350,44 @@ class _Formatter:
         n = prepared.params.n
         self._sent_text = [0] * (len(prepared.prompts) * n)
         self._sent_tokens = [0] * len(self._sent_text)
-        self._text_offset = [len(prepared.prompts[i // n][0]) if prepared.echo else 0
-                             for i in range(len(self._sent_text))]
+        # (echoed prompt logprobs carry the prompt's own offsets, from 0)
+        self._text_offset = [len(prepared.prompts[i // n][0]) if prepared.echo and
+                             prepared.params.prompt_logprobs is None else 0 for i in range(len(self._sent_text))]
         self._finished = [False] * len(self._sent_text)
+        self._echoed = [False] * len(self._sent_text)
         # per choice, while streaming with tools: the incremental tool-call parser of its text
         self._tool_streams = [prepared.tools.parser.stream() for _ in self._sent_text] if prepared.tools else []
 
     def index(self, prompt_index: int, output: CompletionOutput) -> int:
         return prompt_index * self.p.params.n + output.index
 
+    def prompt_index(self, choice: int) -> int:
+        return choice // self.p.params.n
+
+    def _shown(self, output: CompletionOutput) -> CompletionOutput:
+        """The output as the answer shows it: with score_only, no tokens (the prompt alone)."""
+        if not self.p.score_only:
+            return output
+        return dataclasses.replace(output, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=None if output.logprobs is None else [])
+
     # ---- logprobs ----
 
-    def _logprobs(self, output: CompletionOutput, start: int, end: int, choice: int) -> Any:
+    def _logprobs(self, output: CompletionOutput, start: int, end: int, choice: int,
+                  prompt: RequestOutput | None = None) -> Any:
+        """The logprobs of output tokens start .. end - 1 of a choice, in the API's form; with
+        `prompt` (echo), those of its prompt's tokens before them (the first token's are null)."""
         if output.logprobs is None:
             return None
         k = self.p.params.logprobs or 0
-        entries = []
-        for token_id, entry in zip(output.token_ids[start:end], output.logprobs[start:end], strict=True):
-            sampled = entry[token_id]
-            ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:k]
-            entries.append((sampled.decoded_token or "", _finite(sampled.logprob),
-                            [(lp.decoded_token or "", _finite(lp.logprob)) for lp in ranked]))
+        entries: list[tuple[str, float | None, list[tuple[str, float]] | None]] = []
+        if prompt is not None:
+            entries.append((self.p.first_tokens[self.prompt_index(choice)], None, None))
+            entries += [_entry(token_id, entry, k)
+                        for token_id, entry in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:],
+                                                   strict=True)]
+        entries += [_entry(token_id, entry, k)
+                    for token_id, entry in zip(output.token_ids[start:end], output.logprobs[start:end], strict=True)]
         if self.chat:
             return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
                                  "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
@@ -372,7 +398,8 @@ class _Formatter:
             offsets.append(self._text_offset[choice])
             self._text_offset[choice] += len(tok)
         return {"tokens": [tok for tok, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{**dict(top), tok: lp} for tok, lp, top in entries], "text_offset": offsets}
+                "top_logprobs": [None if top is None else {**dict(top), tok: lp} for tok, lp, top in entries],
+                "text_offset": offsets}
 
     # ---- streaming ----
 
@@ -396,14 +423,17 @@ class _Formatter:
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
-        for o in out.outputs:
+        for o in map(self._shown, out.outputs):
             i = self.index(prompt_index, o)
             if self._finished[i]:
                 continue
             text = o.text[self._sent_text[i]:]
-            if self.p.echo and self._sent_text[i] == 0 and self._sent_tokens[i] == 0:
+            first = self.p.echo and not self._echoed[i]   # (a choice's first chunk may hold no token yet)
+            if first:
                 text = self.p.prompts[prompt_index][0] + text
-            logprobs = self._logprobs(o, self._sent_tokens[i], len(o.token_ids), i)
+                self._echoed[i] = True
+            logprobs = self._logprobs(o, self._sent_tokens[i], len(o.token_ids), i,
+                                      out if first and out.prompt_logprobs is not None else None)
             self._sent_text[i] = len(o.text)
             self._sent_tokens[i] = len(o.token_ids)
             self._finished[i] = o.finished
@@ -435,7 +465,7 @@ class _Formatter:
 
     def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         prompt = sum(len(ids) for _, ids in self.p.prompts)
-        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        completion = sum(len(self._shown(o).token_ids) for out in finals.values() for o in out.outputs)
         cached = sum(out.num_cached_tokens for out in finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -443,9 +473,10 @@ class _Formatter:
     def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         choices = []
         for prompt_index in sorted(finals):
-            for o in finals[prompt_index].outputs:
+            out = finals[prompt_index]
+            for o in map(self._shown, out.outputs):
                 i = self.index(prompt_index, o)
-                logprobs = self._logprobs(o, 0, len(o.token_ids), i)
+                logprobs = self._logprobs(o, 0, len(o.token_ids), i, out if out.prompt_logprobs is not None else None)
                 if self.chat:
                     message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
                     calls = []
@@ -466,6 +497,13 @@ class _Formatter:
         if len(finals) == 1 and exported:   # (vLLM's field: where a decode engine finds the prompt's K/V)
             response["kv_transfer_params"] = exported[0]
         return response
+
+
+def _entry(token_id: int, entry: dict[int, Logprob], k: int) -> tuple[str, float, list[tuple[str, float]]]:
+    """(a token's text, its logprob, its position's k most likely tokens with theirs)."""
+    ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+    return (entry[token_id].decoded_token or "", _finite(entry[token_id].logprob),
+            [(lp.decoded_token or "", _finite(lp.logprob)) for lp in ranked])
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:

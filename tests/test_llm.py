@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams, TokenmillError
+from tokenmill.engine import runner as runner_module
 
 PROMPTS = ["Once upon a time", "The cat sat on the", "To make bread, mix", "A user asks a question"]
 EOS = 2  # the tiny tokenizer's <|im_end|>
@@ -279,11 +280,12 @@ def assert_prompt_logprobs_match(out, ref: torch.Tensor, k: int, tok) -> None:
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_prompt_logprobs_are_the_model_log_softmax_whatever_the_chunks_and_cache(llama_dir, k):
+def test_prompt_logprobs_are_the_model_log_softmax_whatever_the_chunks_and_cache(llama_dir, k, monkeypatch):
     """Prompt tokens scored as transformers scores them, with the prompt computed in one step or in
-    chunks of 7 rows, and with the prefix cache holding it already (a request that wants its
-    prompt scored computes it anyway); n = 2 scores it once; speculative decoding's draft leaves it
-    to the target; sampling is unchanged."""
+    chunks of 7 rows (scored 5 rows at a time), and with the prefix cache holding it already (a
+    request that wants its prompt scored computes it anyway); n = 2 scores it once; speculative
+    decoding's draft leaves it to the target; sampling is unchanged."""
+    monkeypatch.setattr(runner_module, "SCORE_ROWS", 5)
     ref_model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
     for options in ({}, {"max_num_batched_tokens": 7}, {"speculative_config": {"method": "ngram",

@@ -46,23 +46,36 @@ class Rows:
 def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int, int]]) -> None:
     """Append to each scored request's prompt_logprobs those of its prompt tokens first + 1 .. end,
     from `logits` (the rows of its positions first .. end - 1, request after request): each one's
-    raw log-probability, its rank (1: the most likely) and the prompt_logprobs most likely tokens."""
-    logprobs = logits.float().log_softmax(dim=-1)
+    raw log-probability, its rank (1: the most likely) and the prompt_logprobs most likely tokens.
+    A slice of SCORE_ROWS rows at a time, so that a long prompt chunk adds no more than that many
+    rows of log-probabilities to its logits."""
     targets = torch.tensor([t for r, first, end in scored for t in r.prompt_token_ids[first + 1:end + 1]],
                            device=logits.device)
-    chosen = logprobs.gather(1, targets.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
     k = max(r.params.prompt_logprobs for r, _, _ in scored)
-    top = logprobs.topk(k, dim=-1) if k else None
-    top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-    chosen = chosen.squeeze(1).tolist()
+    chosen: list[float] = []
+    ranks: list[int] = []
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    for start in range(0, len(targets), SCORE_ROWS):
+        logprobs = logits[start:start + SCORE_ROWS].float().log_softmax(dim=-1)
+        mine = logprobs.gather(1, targets[start:start + SCORE_ROWS].unsqueeze(1))
+        ranks += (logprobs > mine).sum(dim=-1).add_(1).tolist()
+        chosen += mine.squeeze(1).tolist()
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            top_ids += top.indices.tolist()
+            top_lps += top.values.tolist()
     row = 0
     for request, first, end in scored:
-        mine = request.params.prompt_logprobs
+        n = request.params.prompt_logprobs
         for i in range(row, row + end - first):
-            top_i = list(zip(top_ids[i][:mine], top_lps[i][:mine], strict=True)) if mine else []
+            top_i = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n else []
             request.prompt_logprobs.append((chosen[i], ranks[i], top_i))
         row += end - first
+
+
+# Prompt rows score_prompts turns into log-probabilities at a time.
+SCORE_ROWS = 256
 
 
 class ModelRunner:

@@ -271,6 +271,29 @@ def test_echo_with_logprobs_scores_the_prompt(client, model_name, tokenizer, ser
                                                                      for i in range(len(tokens))]
 
 
+def test_vllms_prompt_logprobs_field(client, model_name, tokenizer, server):
+    """vLLM's `prompt_logprobs`: per choice on /v1/completions, on the response on chat (the
+    rendered prompt's tokens), by token id; the same values as echo's; not on a stream."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 1}).model_dump()
+    ids = chat_prompt_ids(tokenizer, messages)
+    listed = chat["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(ids) == chat["usage"]["prompt_tokens"]
+    echoed = client.completions.create(model=model_name, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], listed[1:], strict=True)] == \
+        echoed.choices[0].logprobs.token_logprobs[1:]
+    for t, entry in zip(ids[1:], listed[1:], strict=True):
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[0] == 1 and entry[str(t)]["decoded_token"] == tokenizer.decode([t]) and len(entry) <= 2
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, n=2, seed=3,
+                                      extra_body={"prompt_logprobs": 0}).model_dump()
+    assert [len(c["prompt_logprobs"]) for c in plain["choices"]] == [len(tokenizer.encode(PROMPT))] * 2
+    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": messages, "stream": True,
+                                                                "prompt_logprobs": 1}, headers=auth(KEY), timeout=60)
+    check_error(r, 400, "prompt_logprobs", None)
+
+
 # ---- chat ------------------------------------------------------------------------------------------
 
 def test_chat_stream_and_not_with_usage(client, model_name, tokenizer):

@@ -147,6 +147,7 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None   # the prompt's tokens' logprobs (and top k), in vLLM's form
     # vLLM's structured output: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": true} (see sampling/structured.py), and its older guided_* names for the same.
     structured_outputs: JsonObject | None = None

@@ -65,6 +65,7 @@ class Prepared:
     # samples after it is not part of the answer
     score_only: bool = False
     first_tokens: list[str] = dataclasses.field(default_factory=list)   # with echo: each prompt's first token
+    prompt_logprobs: bool = False    # vLLM's prompt_logprobs field: the answer carries them in its form
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
     tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
 
@@ -135,7 +136,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
         logit_bias=req.logit_bias, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        logprobs=logprobs, structured_outputs=structured_outputs(req, renames),
+        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs(req, renames),
         kv_transfer_params=req.kv_transfer_params)
     values.update({name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None})
     try:
@@ -180,6 +181,12 @@ def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> tup
     return include_usage, include_usage and bool(req.stream_options.continuous_usage_stats)
 
 
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise ErrorBody(400, "prompt_logprobs: not available on a stream (the whole response has them; on "
+                        "/v1/completions, echo with logprobs streams them)", param="prompt_logprobs")
+
+
 def check_export(params: SamplingParams, stream: bool, num_prompts: int) -> None:
     """A request exporting its prompt's K/V (prefill/decode disaggregation) gets the name back in
     its one answer: one prompt (n = 1: SamplingParams), not streamed."""
@@ -190,6 +197,7 @@ def check_export(params: SamplingParams, stream: bool, num_prompts: int) -> None
 
 def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepared:
     include_usage, continuous_usage = _check_stream_options(req)
+    _check_prompt_logprobs(req)
     renames: dict[str, str] = {}
     score_only = req.max_tokens == 0
     if score_only and not req.echo:
@@ -198,7 +206,7 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
     params = sampling_params(req, inputs.default_sampling_params(), 1 if score_only else req.max_tokens,
                              req.logprobs, renames)
     if req.echo and req.logprobs is not None:   # (the echoed prompt's tokens get theirs too)
-        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
@@ -212,11 +220,13 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
     check_export(params, req.stream, len(prompts))
     first_tokens = [inputs.tokenizer.decode(ids[:1]) for _, ids in prompts] if req.echo else []
     return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo,
-                    score_only=score_only, first_tokens=first_tokens, renames=renames)
+                    score_only=score_only, first_tokens=first_tokens,
+                    prompt_logprobs=req.prompt_logprobs is not None, renames=renames)
 
 
 def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared:
     include_usage, continuous_usage = _check_stream_options(req)
+    _check_prompt_logprobs(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ErrorBody(400, "max_completion_tokens: give max_tokens or max_completion_tokens, not both",
                         param="max_completion_tokens")
@@ -245,7 +255,8 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
         raise ErrorBody(400, message if param != "messages" else f"messages: {e}", param=param) from None
     check_export(params, req.stream, 1)
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames,
-                    tools=tools if req.tools is not None and tools.parses_output else None)
+                    tools=tools if req.tools is not None and tools.parses_output else None,
+                    prompt_logprobs=req.prompt_logprobs is not None)
 
 
 async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None:
@@ -489,14 +500,26 @@ class _Formatter:
                                     "finish_reason": _finish_reason(o.finish_reason, bool(calls))})
                 else:
                     text = (self.p.prompts[prompt_index][0] if self.p.echo else "") + o.text
-                    choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason})
+                    choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason,
+                                    **({"prompt_logprobs": _vllm_prompt_logprobs(out)} if self.p.prompt_logprobs
+                                       else {})})
         choices.sort(key=lambda c: c["index"])
         response = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                     "system_fingerprint": None, "choices": choices, "usage": self.usage(finals)}
+        if self.chat and self.p.prompt_logprobs:   # (vLLM's place for them: one prompt)
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(finals[0])
         exported = [out.kv_transfer_params for out in finals.values() if out.kv_transfer_params is not None]
         if len(finals) == 1 and exported:   # (vLLM's field: where a decode engine finds the prompt's K/V)
             response["kv_transfer_params"] = exported[0]
         return response
+
+
+def _vllm_prompt_logprobs(out: RequestOutput) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first) its logprob and the top k at
+    its position, by token id."""
+    return [None if entry is None else {t: {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                            "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+            for entry in out.prompt_logprobs]
 
 
 def _entry(token_id: int, entry: dict[int, Logprob], k: int) -> tuple[str, float, list[tuple[str, float]]]:

@@ -295,6 +295,12 @@ def test_serve_disaggregated_equals_colocated(default_gguf_path, tmp_path):
             out.append("".join(c.choices[0].text for c in stream if c.choices))
             out.append([c.text for c in client.completions.create(model=model, prompt=PROMPTS[1:], max_tokens=8,
                                                                    temperature=0).choices])
+            # scoring the prompt: computed where it is scored (the decode replica), as colocated
+            scored = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
+            out.append(scored.choices[0].logprobs.token_logprobs)
+            out.append(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                                 extra_body={"prompt_logprobs": 0}).model_dump()["choices"][0]
+                       ["prompt_logprobs"])
             answers[s.base] = out
         assert answers[pd.base] == answers[single.base]
         # a bad request is refused once, with the prefill replica's 400

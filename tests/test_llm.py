@@ -11,6 +11,7 @@ loading the same GGUF file, and a chat reply that ends on EOS.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -280,29 +281,49 @@ def assert_prompt_logprobs_match(out, ref: torch.Tensor, k: int, tok) -> None:
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_prompt_logprobs_are_the_model_log_softmax_whatever_the_chunks_and_cache(llama_dir, k, monkeypatch):
+def test_prompt_logprobs_are_the_model_log_softmax_whatever_the_chunks_and_cache(llama_dir, k, monkeypatch, caplog):
     """Prompt tokens scored as transformers scores them, with the prompt computed in one step or in
-    chunks of 7 rows (scored 5 rows at a time), and with the prefix cache holding it already (a
-    request that wants its prompt scored computes it anyway); n = 2 scores it once; speculative
-    decoding's draft leaves it to the target; sampling is unchanged."""
+    chunks of 7 rows (scored 5 rows at a time), with the prefix cache holding it already (a request
+    that wants its prompt scored computes it anyway), beside a request verifying n-gram proposals
+    in the same steps, and with a draft model (its shadow scores nothing); n = 2 scores it once;
+    sampling is unchanged."""
     monkeypatch.setattr(runner_module, "SCORE_ROWS", 5)
+    scoring: list[str] = []   # the request of each scored row
+    score = runner_module.score_prompts
+    monkeypatch.setattr(runner_module, "score_prompts", lambda logits, index, scored: (
+        scoring.extend(r.request_id for r, first, end in scored for _ in range(first, end)),
+        score(logits, index, scored)))
     ref_model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
-    for options in ({}, {"max_num_batched_tokens": 7}, {"speculative_config": {"method": "ngram",
-                                                                                "num_speculative_tokens": 2}}):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+    repeating = "one two three four one two three four one two three four one two"
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    for options in ({}, {"max_num_batched_tokens": 7}, {"speculative_config": ngram, "max_num_batched_tokens": 16},
+                    {"speculative_config": {"model": str(llama_dir), "num_speculative_tokens": 2}}):
         llm = LLM(str(llama_dir), dtype="float32", **options)
-        first = run(llm, LONG_PROMPT, params)[0]
+        first, beside = run(llm, [LONG_PROMPT, repeating], [params, greedy(24)])   # (the prompt's first sight)
+        alone = run(llm, [LONG_PROMPT, repeating], greedy(24))
+        assert beside.outputs[0].token_ids == alone[1].outputs[0].token_ids
+        stats = llm.engine.stats()
+        if "speculative_config" in options:
+            assert stats.spec_num_draft_tokens > 0
+        if "model" in options.get("speculative_config", {}):   # (the draft is the target: greedy, it is always right)
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        scoring.clear()
         again = run(llm, LONG_PROMPT, params)[0]   # (its prompt is in the prefix cache now)
         assert again.num_cached_tokens == 0 and run(llm, LONG_PROMPT, greedy(1))[0].num_cached_tokens > 0
+        assert len(scoring) == len(again.prompt_token_ids) - 1
         with torch.inference_mode():
             ref = ref_model(torch.tensor([first.prompt_token_ids])).logits[0].log_softmax(-1)
         for out in (first, again):
             assert_prompt_logprobs_match(out, ref, k, llm.tokenizer)
-            assert out.outputs[0].token_ids == run(llm, LONG_PROMPT, greedy(4))[0].outputs[0].token_ids
+            assert out.outputs[0].token_ids == alone[0].outputs[0].token_ids[:12]
+        scoring.clear()
         two = run(llm, LONG_PROMPT, SamplingParams(n=2, max_tokens=2, seed=1, prompt_logprobs=k))[0]
         assert_prompt_logprobs_match(two, ref, k, llm.tokenizer)
+        assert len(scoring) == len(two.prompt_token_ids) - 1 and set(scoring) == {f"{two.request_id}#0"}
         assert run(llm, LONG_PROMPT, greedy(2))[0].prompt_logprobs is None
         assert_engine_idle(llm)
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]   # (no step failed)
 
 
 def test_prompt_logprobs_survive_preemption(llama_dir):

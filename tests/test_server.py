@@ -246,6 +246,11 @@ def test_echo_with_logprobs_scores_the_prompt(client, model_name, tokenizer, ser
     choice = scored.choices[0]
     lp = choice.logprobs
     assert choice.text == text and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert choice.finish_reason == "length"
+    # (the token sampled after the prompt, hidden, is EOS here: still "length", nothing generated)
+    eos = client.completions.create(model=model_name, prompt=text, max_tokens=0, echo=True, logprobs=0,
+                                    logit_bias={str(tokenizer.eos_token_id): 100})
+    assert eos.choices[0].finish_reason == "length" and eos.choices[0].text == text
     assert lp.tokens == [tokenizer.decode([t]) for t in ids] and "".join(lp.tokens) == text
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
@@ -642,6 +647,9 @@ def test_serve_refuses_bad_flags_and_model_paths_before_listening(tmp_path, caps
     cert, key = certificate
     other_key = tmp_path / "other.pem"
     subprocess.run(["openssl", "genrsa", "-out", str(other_key), "2048"], check=True, capture_output=True)
+    encrypted_key = tmp_path / "encrypted.pem"
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:secret", "-out", str(encrypted_key)],
+                   check=True, capture_output=True)
     for argv, words in ((["serve", str(tmp_path / "missing.gguf")], ["missing.gguf"]),
                         (["serve", "--max-queued-requests", "-1"], ["--max-queued-requests", ">= 0"]),
                         (["serve", "a.gguf", "--model", "b.gguf"], ["MODEL", "given twice"]),
@@ -650,8 +658,12 @@ def test_serve_refuses_bad_flags_and_model_paths_before_listening(tmp_path, caps
                         (["serve", "--ssl-certfile", cert], ["--ssl-certfile:", "not a PEM certificate and its"]),
                         (["serve", "--ssl-certfile", cert, "--ssl-keyfile", str(other_key)],
                          ["--ssl-certfile and --ssl-keyfile", "private key"]),
-                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", key],
-                         ["--ssl-ca-certs", "not PEM certificates"]),
+                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", key,
+                          "--ssl-cert-reqs", "1"], ["--ssl-ca-certs", "not PEM certificates"]),
+                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", cert],
+                         ["--ssl-ca-certs", "needs --ssl-cert-reqs"]),
+                        (["serve", "--ssl-certfile", cert, "--ssl-keyfile", str(encrypted_key)],
+                         ["--ssl-keyfile", "encrypted"]),
                         (["serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "2"],
                          ["--ssl-cert-reqs 2", "needs --ssl-ca-certs"]),
                         (["serve", "--root-path", "llm"], ["--root-path", "begins with /"]),

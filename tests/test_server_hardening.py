@@ -271,7 +271,8 @@ def test_serve_refuses_bad_server_flags(capsys, default_gguf_path, monkeypatch):
                         (["--dtype", "foo"], "dtype: 'foo' is not supported"),
                         (["--dtype", "float16", "--device", "cpu"], "dtype: float16 is not supported on CPU"),
                         (["--device", "tpu"], "device: 'tpu' is not a valid torch device"),
-                        (["--max-log-len", "-1"], "--max-log-len: must be >= 0, got -1")):
+                        (["--max-log-len", "-1"], "--max-log-len: must be >= 0, got -1"),
+                        (["--max-log-len", "5"], "--max-log-len: needs --enable-log-requests")):
         assert main(["serve", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"tokenmill: error: {words}") and "Traceback" not in err, err

@@ -43,12 +43,12 @@ class Rows:
     score_index: list[int] = field(default_factory=list)
 
 
-def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int, int]]) -> None:
+def score_prompts(logits: torch.Tensor, index: list[int], scored: list[tuple[Request, int, int]]) -> None:
     """Append to each scored request's prompt_logprobs those of its prompt tokens first + 1 .. end,
-    from `logits` (the rows of its positions first .. end - 1, request after request): each one's
-    raw log-probability, its rank (1: the most likely) and the prompt_logprobs most likely tokens.
-    A slice of SCORE_ROWS rows at a time, so that a long prompt chunk adds no more than that many
-    rows of log-probabilities to its logits."""
+    from the rows `index` of `logits` (its positions first .. end - 1, request after request):
+    each one's raw log-probability, its rank (1: the most likely) and the prompt_logprobs most
+    likely tokens. SCORE_ROWS rows at a time, so that a long prompt chunk adds no more than that
+    many rows to its logits (which the LM head computed for every scored row)."""
     targets = torch.tensor([t for r, first, end in scored for t in r.prompt_token_ids[first + 1:end + 1]],
                            device=logits.device)
     k = max(r.params.prompt_logprobs for r, _, _ in scored)
@@ -57,7 +57,8 @@ def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int, int]]) 
     top_ids: list[list[int]] = []
     top_lps: list[list[float]] = []
     for start in range(0, len(targets), SCORE_ROWS):
-        logprobs = logits[start:start + SCORE_ROWS].float().log_softmax(dim=-1)
+        rows = torch.tensor(index[start:start + SCORE_ROWS], device=logits.device)
+        logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)
         mine = logprobs.gather(1, targets[start:start + SCORE_ROWS].unsqueeze(1))
         ranks += (logprobs > mine).sum(dim=-1).add_(1).tolist()
         chosen += mine.squeeze(1).tolist()
@@ -162,12 +163,12 @@ class ModelRunner:
         """Run the model on one step's batch: the logits of the rows that need them ([rows, V], in
         request order) and whose rows they are. Under tensor parallelism the batch goes to the
         workers first, which run it with this process."""
-        input_ids, positions, meta, logits_rows, rows = self.prepare(scheduled)
+        input_ids, positions, meta, logits_rows, whose = self.prepare(scheduled)
         if self.workers is None:
-            return self.run(input_ids, positions, meta, logits_rows), rows
+            return self.run(input_ids, positions, meta, logits_rows), whose
         try:
             self.workers.step((input_ids, positions, meta, logits_rows))
-            return self.run(input_ids, positions, meta, logits_rows), rows
+            return self.run(input_ids, positions, meta, logits_rows), whose
         except ParallelError as e:
             raise self.workers.explain(e) from e
         except Exception as e:   # this rank stopped mid-forward: the others may be waiting in a collective
@@ -191,15 +192,15 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, list[SampledToken]]]:
         """Run one step; returns the new tokens of each request that completed its tokens: one, or,
         verifying proposed tokens, those accepted and the target's own token after them."""
-        logits, rows = self.logits(scheduled)
+        logits, whose = self.logits(scheduled)
         if logits is None:
             return []
-        if rows.scored:
-            score_prompts(logits[torch.tensor(rows.score_index, device=self.device)], rows.scored)
-            if not rows.sampled:
+        if whose.scored:
+            score_prompts(logits, whose.score_index, whose.scored)
+            if not whose.sampled:
                 return []
-            logits = logits[torch.tensor(rows.sample_index, device=self.device)]
-        sampled = rows.sampled
+            logits = logits[torch.tensor(whose.sample_index, device=self.device)]
+        sampled = whose.sampled
         # Row j of a request verifying proposals d_1..d_k samples what follows d_1..d_j: its output
         # so far includes them (penalties, min_tokens), its mask is the grammar's after them.
         rows = [(r, j) for r in sampled for j in range(len(r.spec_token_ids) + 1)]

@@ -289,19 +289,23 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     kept below the total (u x total can round up to it) and below its block's running sum, and a
     token of probability 0 adds nothing to the CDF, so the first entry above the point is never one."""
     rows, vocab = probs.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
     pad = -vocab % CDF_BLOCK
     blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, CDF_BLOCK)
     block_sums = blocks.sum(dim=-1)
     block_cdf = block_sums.double().cumsum_(dim=-1)
     total = block_cdf[:, -1:]
     point = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    block = torch.searchsorted(block_cdf, point, right=True)
+    # (clamped: a row of NaN or of zeros, which no model step gives, has no block past its point; it
+    # yields a token in range, not an index past the last block, which a device would assert on)
+    block = torch.searchsorted(block_cdf, point, right=True).clamp_(max=blocks.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)
     inside = blocks.gather(1, block.unsqueeze(2).expand(-1, -1, CDF_BLOCK)).squeeze(1).double().cumsum_(dim=-1)
     last = inside[:, -1:]
     offset = (point - before) / block_sums.gather(1, block).double() * last
     offset = torch.minimum(offset, torch.nextafter(last, torch.zeros_like(last)))
-    return (block * CDF_BLOCK + torch.searchsorted(inside, offset, right=True)).squeeze(1)
+    return (block * CDF_BLOCK + torch.searchsorted(inside, offset, right=True)).squeeze(1).clamp_(max=vocab - 1)
 
 
 _TINY = torch.finfo(torch.float32).tiny

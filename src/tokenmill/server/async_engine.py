@@ -416,7 +416,10 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.count(status)
             if self.log_requests:
-                request_logger.info("aborted request %s%s", request_id, "" if error is None else f": {error}")
+                if error is None:
+                    request_logger.info("aborted request %s", request_id)
+                else:
+                    request_logger.info("failed request %s: %s", request_id, error)
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:

@@ -154,6 +154,9 @@ def tls_settings(args: argparse.Namespace) -> TLSConfig | None:
     if args.ssl_cert_reqs and args.ssl_ca_certs is None:
         raise TokenmillError(f"--ssl-cert-reqs {args.ssl_cert_reqs}: needs --ssl-ca-certs (the CAs whose client "
                              "certificates to accept)")
+    if args.ssl_ca_certs is not None and not args.ssl_cert_reqs:
+        raise TokenmillError("--ssl-ca-certs: needs --ssl-cert-reqs 1 (check client certificates when sent) or 2 "
+                             "(require them)")
     for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None:
@@ -162,8 +165,12 @@ def tls_settings(args: argparse.Namespace) -> TLSConfig | None:
             except OSError as e:
                 raise TokenmillError(f"{flag}: cannot read {path!r}: {e.strerror}") from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    def no_password() -> str:   # (else OpenSSL asks for one on the terminal)
+        raise TokenmillError("--ssl-keyfile: the private key is encrypted; give it unencrypted (e.g. `openssl pkey "
+                             "-in KEY -out PLAIN`)")
+
     try:
-        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=no_password)
     except ssl.SSLError as e:
         what = "--ssl-certfile" + (" and --ssl-keyfile" if args.ssl_keyfile else "")
         raise TokenmillError(f"{what}: not a PEM certificate and its private key ({e.reason or e})") from None
@@ -233,8 +240,9 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
-    if args.max_log_len is not None and args.max_log_len < 0:
-        raise TokenmillError(f"--max-log-len: must be >= 0, got {args.max_log_len}")
+    if args.max_log_len is not None and (args.max_log_len < 0 or not args.log_requests):
+        raise TokenmillError(f"--max-log-len: must be >= 0, got {args.max_log_len}" if args.max_log_len < 0 else
+                             "--max-log-len: needs --enable-log-requests (it cuts that log's prompts)")
     cors = cors_settings(args)
     tls = tls_settings(args)
     prefix = root_path(args.root_path)

@@ -118,10 +118,14 @@ def _no_answer(replica: Replica, error: httpx.HTTPError) -> ErrorBody:
                      code="bad_gateway")
 
 
-def _several_prompts(body: dict[str, Any]) -> bool:
-    """A completion request with a list of prompts (each its own K/V)."""
+def _computed_where_decoded(body: dict[str, Any]) -> bool:
+    """A request the decode replica computes whole: a completion with a list of prompts (each its
+    own K/V), or one that scores its prompt (prompt_logprobs, or echo with logprobs: the prompt's
+    rows must be computed where they are scored)."""
     prompt = body.get("prompt")
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    scored = body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None)
+    return several or scored
 
 
 class _Relayed(StreamingResponse):
@@ -330,7 +334,7 @@ class FrontEnd:
         except (ValueError, RecursionError):   # the replica's answer names the problem
             parsed = None
         if self.disaggregated:
-            if isinstance(parsed, dict) and not _several_prompts(parsed):
+            if isinstance(parsed, dict) and not _computed_where_decoded(parsed):
                 return await self._disaggregated(request, parsed)
             return await self.relay(self._one("decode"), request, body)   # (computed there, colocated)
         candidates = self.in_rotation()

@@ -131,12 +131,16 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: SamplingParams, max_tokens: int | None,
-                    logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+                    logprobs: int | None, renames: dict[str, str],
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams over the model's defaults (`prompt_logprobs`: as the request's
+    field unless given)."""
     values: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
         logit_bias=req.logit_bias, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs(req, renames),
+        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        structured_outputs=structured_outputs(req, renames),
         kv_transfer_params=req.kv_transfer_params)
     values.update({name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None})
     try:
@@ -203,10 +207,13 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
     if score_only and not req.echo:
         raise ErrorBody(400, "max_tokens: must be >= 1 (0 only with echo: the prompt returned, with logprobs scored, "
                         "and nothing generated)", param="max_tokens")
+    if score_only and req.min_tokens:
+        raise ErrorBody(400, f"min_tokens: must be 0 with max_tokens 0, got {req.min_tokens}", param="min_tokens")
+    # (echo with logprobs: the echoed prompt's tokens get theirs too)
+    scored = max(req.logprobs, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else \
+        req.prompt_logprobs
     params = sampling_params(req, inputs.default_sampling_params(), 1 if score_only else req.max_tokens,
-                             req.logprobs, renames)
-    if req.echo and req.logprobs is not None:   # (the echoed prompt's tokens get theirs too)
-        params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
+                             req.logprobs, renames, prompt_logprobs=scored)
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
@@ -361,9 +368,8 @@ class _Formatter:
         n = prepared.params.n
         self._sent_text = [0] * (len(prepared.prompts) * n)
         self._sent_tokens = [0] * len(self._sent_text)
-        # (echoed prompt logprobs carry the prompt's own offsets, from 0)
-        self._text_offset = [len(prepared.prompts[i // n][0]) if prepared.echo and
-                             prepared.params.prompt_logprobs is None else 0 for i in range(len(self._sent_text))]
+        # (with echo, logprobs begin with the prompt's tokens: offsets count from the prompt's start either way)
+        self._text_offset = [0] * len(self._sent_text)
         self._finished = [False] * len(self._sent_text)
         self._echoed = [False] * len(self._sent_text)
         # per choice, while streaming with tools: the incremental tool-call parser of its text
@@ -380,7 +386,8 @@ class _Formatter:
         if not self.p.score_only:
             return output
         return dataclasses.replace(output, text="", token_ids=[], cumulative_logprob=None,
-                                   logprobs=None if output.logprobs is None else [])
+                                   logprobs=None if output.logprobs is None else [],
+                                   finish_reason=None if output.finish_reason is None else "length", stop_reason=None)
 
     # ---- logprobs ----
 
@@ -440,6 +447,8 @@ class _Formatter:
                 continue
             text = o.text[self._sent_text[i]:]
             first = self.p.echo and not self._echoed[i]   # (a choice's first chunk may hold no token yet)
+            if first and self.p.params.prompt_logprobs is not None and out.prompt_logprobs is None:
+                continue   # (sample 0 scores the prompt: its echo waits for them)
             if first:
                 text = self.p.prompts[prompt_index][0] + text
                 self._echoed[i] = True

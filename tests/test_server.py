@@ -27,6 +27,7 @@ import httpx
 import openai
 import pytest
 
+import tokenmill
 from tokenmill import load_tokenizer
 from tokenmill.bench.serve import free_port, stop_process
 from tokenmill.cli import main
@@ -365,6 +366,7 @@ def test_models_tokenize_detokenize_metrics(server, client, model_name, tokenize
     assert client.models.retrieve(model_name).id == model_name   # GET /v1/models/{model}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("org/another-model")
+    assert httpx.get(server.base + "/version").json() == {"version": tokenmill.__version__}
     r = httpx.post(server.base + "/tokenize", json={"prompt": PROMPT}).json()
     assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == 5 and r["max_model_len"] == MAX_MODEL_LEN
     messages = [{"role": "user", "content": "hi"}]

@@ -44,6 +44,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenmill import __version__
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.input import InputProcessor, load_engine
 from tokenmill.errors import TokenmillError
@@ -323,6 +324,10 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
     async def health() -> JSONResponse:
         status = state.status()
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/version")   # (vLLM's: clients check what they talk to)
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:

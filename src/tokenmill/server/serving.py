@@ -387,7 +387,8 @@ class _Formatter:
             return output
         return dataclasses.replace(output, text="", token_ids=[], cumulative_logprob=None,
                                    logprobs=None if output.logprobs is None else [],
-                                   finish_reason=None if output.finish_reason is None else "length", stop_reason=None)
+                                   finish_reason="length" if output.finish_reason in ("stop", "length") else
+                                   output.finish_reason, stop_reason=None)
 
     # ---- logprobs ----
 

@@ -22,6 +22,7 @@ import asyncio
 import errno
 import functools
 import hmac
+import importlib.metadata
 import json
 import logging
 import signal
@@ -44,7 +45,6 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tokenmill import __version__
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.input import InputProcessor, load_engine
 from tokenmill.errors import TokenmillError
@@ -327,7 +327,8 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
 
     @app.get("/version")   # (vLLM's: clients check what they talk to)
     async def version() -> dict[str, str]:
-        return {"version": __version__}
+        # (the installed distribution's: importing the tokenmill package would import the offline LLM class)
+        return {"version": importlib.metadata.version("tokenmill")}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:

@@ -292,9 +292,14 @@ def test_vllms_prompt_logprobs_field(client, model_name, tokenizer, server):
     for t, entry in zip(ids[1:], listed[1:], strict=True):
         ranks = sorted(e["rank"] for e in entry.values())
         assert ranks[0] == 1 and entry[str(t)]["decoded_token"] == tokenizer.decode([t]) and len(entry) <= 2
-    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, n=2, seed=3,
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, n=2, seed=3, logprobs=1,
                                       extra_body={"prompt_logprobs": 0}).model_dump()
     assert [len(c["prompt_logprobs"]) for c in plain["choices"]] == [len(tokenizer.encode(PROMPT))] * 2
+    # (without echo, a choice's logprobs stay its own tokens')
+    assert [len(c["logprobs"]["tokens"]) for c in plain["choices"]] == [1, 1]
+    with_logprobs = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2, logprobs=True,
+                                                   extra_body={"prompt_logprobs": 0})
+    assert len(with_logprobs.choices[0].logprobs.content) == 2 and with_logprobs.prompt_logprobs[0] is None
     r = httpx.post(server.base + "/v1/chat/completions", json={"messages": messages, "stream": True,
                                                                 "prompt_logprobs": 1}, headers=auth(KEY), timeout=60)
     check_error(r, 400, "prompt_logprobs", None)

@@ -225,7 +225,8 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
     check_export(params, req.stream, len(prompts))
-    first_tokens = [inputs.tokenizer.decode(ids[:1]) for _, ids in prompts] if req.echo else []
+    first_tokens = [inputs.tokenizer.decode(ids[:1]) for _, ids in prompts] if params.prompt_logprobs is not None \
+        and req.echo else []
     return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo,
                     score_only=score_only, first_tokens=first_tokens,
                     prompt_logprobs=req.prompt_logprobs is not None, renames=renames)
@@ -390,6 +391,11 @@ class _Formatter:
                                    finish_reason="length" if output.finish_reason in ("stop", "length") else
                                    output.finish_reason, stop_reason=None)
 
+    def _echoed_prompt(self, out: RequestOutput) -> RequestOutput | None:
+        """`out`, whose prompt's logprobs the choice's logprobs begin with: with echo only (vLLM's
+        prompt_logprobs field alone puts them elsewhere)."""
+        return out if self.p.echo and out.prompt_logprobs is not None else None
+
     # ---- logprobs ----
 
     def _logprobs(self, output: CompletionOutput, start: int, end: int, choice: int,
@@ -454,7 +460,7 @@ class _Formatter:
                 text = self.p.prompts[prompt_index][0] + text
                 self._echoed[i] = True
             logprobs = self._logprobs(o, self._sent_tokens[i], len(o.token_ids), i,
-                                      out if first and out.prompt_logprobs is not None else None)
+                                      self._echoed_prompt(out) if first else None)
             self._sent_text[i] = len(o.text)
             self._sent_tokens[i] = len(o.token_ids)
             self._finished[i] = o.finished
@@ -497,7 +503,7 @@ class _Formatter:
             out = finals[prompt_index]
             for o in map(self._shown, out.outputs):
                 i = self.index(prompt_index, o)
-                logprobs = self._logprobs(o, 0, len(o.token_ids), i, out if out.prompt_logprobs is not None else None)
+                logprobs = self._logprobs(o, 0, len(o.token_ids), i, self._echoed_prompt(out))
                 if self.chat:
                     message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
                     calls = []

@@ -240,9 +240,10 @@ def serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise TokenmillError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
     if not args.request_read_timeout > 0:
         raise TokenmillError(f"--request-read-timeout: must be > 0, got {args.request_read_timeout}")
-    if args.max_log_len is not None and (args.max_log_len < 0 or not args.log_requests):
-        raise TokenmillError(f"--max-log-len: must be >= 0, got {args.max_log_len}" if args.max_log_len < 0 else
-                             "--max-log-len: needs --enable-log-requests (it cuts that log's prompts)")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise TokenmillError(f"--max-log-len: must be >= 0, got {args.max_log_len}")
+    if args.max_log_len is not None and not args.log_requests:
+        raise TokenmillError("--max-log-len: needs --enable-log-requests (it cuts that log's prompts)")
     cors = cors_settings(args)
     tls = tls_settings(args)
     prefix = root_path(args.root_path)

@@ -147,6 +147,32 @@ def test_kernel_computes_its_formula(bits, rows, cols):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (48, 160), (16, 1536)])
+def test_row_blocks_of_sixteen_equal_the_generic_path(bits, symmetric, n, k):
+    """Where AMX runs (blocks of 16 activation rows in tiles, the rest with VNNI), every output is the
+    portable path's bit for bit: chunks of 64 rows with a short last block, a partial last tile
+    (n = 40), weights of 3, 5 and 48 groups (batches of 4 groups, a short last batch), a zero row,
+    the fused residual. Elsewhere it holds the SIMD path to the same."""
+    weight = symmetric_and_stored(bits, n, k, seed=n)[0] if symmetric else \
+        QuantWeight(random_block_quant(n, k, bits, seed=n), torch.float32)
+    x, residual = torch.randn(150, k) * 3, torch.randn(150, n)
+    x[3] = 0
+    for rows in (16, 17, 64, 80, 150):
+        y = kernels.quant_matmul(x[:rows], weight.plan(), residual=residual[:rows])
+        if kernels.has_vnni_matmul():
+            assert torch.equal(y, kernels.quant_matmul(x[:rows], weight.plan(), residual=residual[:rows], generic=True))
+        assert torch.equal(y[3], residual[3])
+
+
+@pytest.mark.skipif("amx_int8" not in kernels.cpu_flags().split(), reason="the CPU has no AMX")
+def test_the_quantized_matmul_takes_amx_where_the_cpu_has_it():
+    """On a CPU with AMX the build has the tile path and Linux granted the tile state (a build or a
+    permission request gone wrong would fall back to VNNI silently, at VNNI's speed)."""
+    assert kernels.has_amx_matmul()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_multiplies_the_weight_by_the_quantized_activations(bits):
     """y = W x^ with W the dequantized weight and x^ = dx (254 hi + lo) the activations as the kernel
     quantized them, to float32 rounding: the offset term m sum(x) takes the sum of x^, not of x. With

@@ -141,6 +141,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.argtypes = [ptr, ptr, i64, ptr]
     lib.quant_rows.restype = None
     lib.quant_matmul_has_simd.restype = i32
+    lib.quant_matmul_has_amx.restype = i32
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, f32, ptr, ptr, i32, i32]
     lib.bf16_matmul.restype = i32
     lib.sparse_moe.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
@@ -240,6 +241,13 @@ def has_vnni_matmul() -> bool:
     it takes the AVX2 tiles or the portable loops, where an extra activation row costs more."""
     lib = load()
     return lib is not None and bool(lib.quant_matmul_has_simd())
+
+
+def has_amx_matmul() -> bool:
+    """Does the quantized matmul run blocks of 16 activation rows on AMX tiles (Sapphire Rapids and
+    later, with a Linux that grants the tile state)? The results are the VNNI path's, bit for bit."""
+    lib = load()
+    return lib is not None and bool(lib.quant_matmul_has_amx())
 
 
 def has_prefill_kernel() -> bool:

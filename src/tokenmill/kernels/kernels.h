@@ -3,7 +3,8 @@
  * defined in one unit:
  *   paged_decode.c   paged_decode, paged_decode_rotary, paged_decode_rotary_team, decode_scratch_alloc / _free
  *   paged_prefill.c  paged_prefill, paged_prefill_available, paged_prefill_bf16_dots
- *   quant_matmul.c   quant_matmul, quant_matmul_team, quant_matmul_has_simd, quant_rows,
+ *   quant_matmul.c   quant_matmul, quant_matmul_team, quant_matmul_has_simd, quant_matmul_has_amx,
+ *                    quant_rows,
  *                    matmul_scratch_alloc / _free
  *   dense_matmul.c   bf16_matmul, bf16_matmul_team
  *   moe.c            sparse_moe
@@ -150,6 +151,9 @@ int quant_matmul(const float *x, int64_t mrows, const tm_weight *w, int gated, c
 /* 1 where quant_matmul has its VNNI path (AVX-512 builds); 0 where it runs the AVX2 path (x86-64-v3
  * builds) or the portable loops. */
 int quant_matmul_has_simd(void);
+/* 1 where quant_matmul runs blocks of 16 activation rows on AMX tiles (a build for an AMX CPU, on a
+ * Linux that granted the tile state); the rows left over, and fewer than 16 rows, take VNNI. */
+int quant_matmul_has_amx(void);
 
 /* y [m, n] fp32 = f(x) W^T (+ residual) for a dense bfloat16 W [n, k] and a few fp32 rows x (dense_matmul.c);
  * f and its arguments as quant_matmul's. generic: force the portable C loops. Returns 1 if out of memory. */

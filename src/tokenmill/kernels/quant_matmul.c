@@ -26,6 +26,7 @@
  * so one VNNI instruction takes 4 inputs of 16 rows against 4 activation bytes broadcast to all
  * lanes, and lane r accumulates row r: no horizontal sums.
  */
+#define _GNU_SOURCE   /* syscall (AMX's permission) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,6 +35,11 @@
 #include "kernels.h"
 #include "rows.h"
 #include "simd.h"
+
+#ifdef HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* CPUs with AVX2 but not VNNI take tile_avx2 */
 #if defined(HAVE_AVX2) && !defined(HAVE_VNNI)
@@ -284,6 +290,126 @@ __attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_
 }
 #endif
 
+#ifdef HAVE_AMX
+/* ---- AMX: 16 activation rows x one tile (16 outputs) per group, in tile registers ----
+ * Per group, two tile products (TDPBSUD: signed activation bytes x unsigned weight bytes) give the
+ * hi and lo plane sums of 16 rows x 16 outputs as int32, the same exact integers row_group forms
+ * with VNNI; stored to memory, they are scaled and added with row_group's float operations in its
+ * order, so every output is bit for bit the VNNI path's (and the generic path's). The packed tile
+ * group of an 8-bit weight is already the B operand's layout (row c: inputs 4c..4c+3 of each of the
+ * 16 outputs); a 4-bit one is unpacked into that layout first. What bounds this path is the tile
+ * unit's work per group: each group's int32 sums need their own scales, so every group takes two
+ * half-depth products (32 of a tile row's 64 bytes) and two tile stores. */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023   /* Linux arch_prctl: ask for a dynamically enabled xstate */
+#define XFEATURE_XTILEDATA 18
+/* Tile registers: 0 and 1 the activations' hi and lo planes, 2 the weight, 3 and 4 the hi and lo sums
+ * (literal numbers where the intrinsics take them: gcc pastes them into the instruction's text). */
+
+static int amx_usable;
+
+/* Linux gives a process the tile registers' state only when asked (the state is 8 KB a thread on
+ * every context switch); a kernel too old to know AMX refuses, and the VNNI path runs. Asked once,
+ * when the library loads: the permission is the whole process's. */
+__attribute__((constructor)) static void amx_request(void) {
+    amx_usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* The tile shapes (palette 1): activations 16 rows x 32 bytes (one group), the weight 8 rows x 64
+ * bytes (4 inputs of 16 outputs a row), the sums 16 rows x 16 int32. Per thread: each thread of a
+ * team loads it before its first tile instruction. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config = {.palette = 1};
+    config.rows[0] = config.rows[1] = 16;
+    config.colsb[0] = config.colsb[1] = GROUP;
+    config.rows[2] = GROUP / 4;
+    config.colsb[2] = 64;
+    config.rows[3] = config.rows[4] = 16;
+    config.colsb[3] = config.colsb[4] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* A 4-bit tile-group (4 vectors of nibble pairs) as the tile products' weight operand: 8 rows of
+ * 64 bytes, row c inputs 4c..4c+3 of the 16 outputs (the 8-bit packing's layout). */
+static inline void amx_unpack(const uint8_t *tg, uint8_t out[GROUP / 4][64]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512(tg + 64 * j);
+        _mm512_store_si512(out[j], _mm512_and_si512(v, low));
+        _mm512_store_si512(out[j + 4], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+/* The products of one group: 16 activation rows (from qg, the hi plane; the lo plane k bytes on)
+ * x the group's weight operand w, to sums[0] (hi) and sums[1] (lo). gcc's tile load and store
+ * intrinsics do not tell the compiler that they read or write memory, hence the barriers. */
+static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int32_t sums[2][16][TILE]) {
+    __asm__ volatile("" ::: "memory");   /* w's unpacking is stored before the tile load reads it */
+    _tile_loadd(2, w, 64);
+    _tile_loadd(0, qg, 2 * k);
+    _tile_loadd(1, qg + k, 2 * k);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbsud(3, 0, 2);
+    _tile_dpbsud(4, 1, 2);
+    _tile_stored(3, sums[0], 64);
+    _tile_stored(4, sums[1], 64);
+    __asm__ volatile("" ::: "memory");   /* and the sums are read after the tile stores wrote them */
+}
+
+/* Groups per batch of tile_amx. A load waits until an earlier store to its bytes has left the core
+ * (neither a tile load nor a load of a tile store's bytes takes them from the store): so the tile
+ * products of a batch's groups go first, then the float work of each; and a 4-bit weight's
+ * groups are unpacked a batch ahead of their products. Issued right after their stores, each such
+ * load stalled the core for a long part of the group's time. */
+#define AMX_BATCH 4
+
+/* Activation rows [i0, i0 + 16) against tile t. */
+static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows) {
+    const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
+    const uint8_t *tw = job->w + t * groups * gbytes;
+    _Alignas(64) int32_t sums[AMX_BATCH][2][16][TILE];
+    _Alignas(64) uint8_t unpacked[2][AMX_BATCH][GROUP / 4][64];   /* 4 bits: this batch's and the next */
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    if (job->bits == 4)
+        for (int64_t g = 0; g < AMX_BATCH && g < groups; g++) amx_unpack(tw + g * gbytes, unpacked[0][g]);
+    for (int64_t g0 = 0; g0 < groups; g0 += AMX_BATCH) {
+        const int batch = groups - g0 < AMX_BATCH ? (int)(groups - g0) : AMX_BATCH, ring = (int)(g0 / AMX_BATCH) % 2;
+        if (job->bits == 4)
+            for (int64_t g = g0 + AMX_BATCH; g < g0 + 2 * AMX_BATCH && g < groups; g++)
+                amx_unpack(tw + g * gbytes, unpacked[1 - ring][g - g0 - AMX_BATCH]);
+        for (int b = 0; b < batch; b++) {
+            const uint8_t *tg = tw + (g0 + b) * gbytes;
+            prefetch_ahead(tg, gbytes);
+            amx_group(job->bits == 4 ? (const void *)unpacked[ring][b] : tg, job->q + i0 * 2 * k + (g0 + b) * GROUP,
+                      k, sums[b]);
+        }
+        for (int b = 0; b < batch; b++) {
+            const int64_t g = g0 + b, sg = (t * groups + g) * TILE;
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->d + sg)));
+            const __m512 mv = job->m != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)))
+                                             : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
+            const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
+            #pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {   /* row_group's float operations, in its order */
+                const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[b][0][i])),
+                                                 _mm512_set1_ps(254.0f),
+                                                 _mm512_cvtepi32_ps(_mm512_load_si512(sums[b][1][i])));
+                acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dxg[i * groups])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(bxg[i * groups]), acc[i]);
+            }
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
+    for (int i = 0; i < 16; i++) store_tile_row(job, acc[i], i0 + i, t, mask);
+}
+#endif
+
 #if AVX2_TILES
 /* x16 += 254 hi + lo over a row of k: the two planes in one int16 plane, exactly (|x16| <= 32385). */
 static inline void combine_planes(const int8_t *hi, const int8_t *lo, int64_t k, int16_t *x16) {
@@ -484,8 +610,27 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
     }
     /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of the
      * weight passes over them (a prefill chunk's rows would not). */
+#ifdef HAVE_AMX
+    const int amx = !generic && amx_usable && mrows >= 16;
+    if (amx) amx_configure();
+#endif
     for (int64_t first = 0; first < mrows; first += ROW_CHUNK) {
         const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
+#ifdef HAVE_AMX
+        if (amx) {   /* blocks of 16 rows in the tiles, a last shorter block with VNNI */
+            const int64_t blocks = (last - first + 15) / 16;
+            #pragma omp for collapse(2) schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                for (int64_t b = 0; b < blocks; b++) {
+                    const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
+                    const int64_t i = first + 16 * b, end = i + 16 < last ? i + 16 : last;
+                    if (end - i == 16) tile_amx(&job, t, i, nrows);
+                    else tile_rows_vnni(&job, t, i, end, nrows);
+                }
+            }
+            continue;
+        }
+#endif
         const int64_t mblocks = (last - first + MBLOCK - 1) / MBLOCK;
         #pragma omp for collapse(2) schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
@@ -507,6 +652,9 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
             }
         }
     }
+#ifdef HAVE_AMX
+    if (amx) _tile_release();   /* (a thread holding tile state saves 8 KB more at each switch) */
+#endif
 }
 
 /* y [M, N] fp32 = f(x) @ W^T (+ residual [M, N] when not NULL), f the fused input ops of
@@ -528,6 +676,14 @@ int quant_matmul(const float *x, int64_t mrows, const tm_weight *weight, int gat
 int quant_matmul_has_simd(void) {
 #ifdef HAVE_VNNI
     return 1;
+#else
+    return 0;
+#endif
+}
+
+int quant_matmul_has_amx(void) {
+#ifdef HAVE_AMX
+    return amx_usable;
 #else
     return 0;
 #endif

@@ -91,6 +91,17 @@ def test_generate_accepts_every_prompt_form_and_keeps_order(llm):
     many = run(llm, ids[::-1], params)  # a list of lists of token ids
     assert [o.prompt_token_ids for o in many] == ids[::-1]
     assert [o.outputs[0].token_ids for o in many] == expected[::-1]
+    # vLLM's dict prompts: TextPrompt and TokensPrompt, alone or in a list
+    (text,) = run(llm, {"prompt": PROMPTS[1]}, params)
+    assert text.prompt == PROMPTS[1] and text.outputs[0].token_ids == expected[1]
+    dicts = run(llm, [{"prompt_token_ids": ids[0]}, {"prompt": PROMPTS[2]}], params)
+    assert dicts[0].prompt is None and dicts[0].prompt_token_ids == ids[0]
+    assert [o.outputs[0].token_ids for o in dicts] == [expected[0], expected[2]]
+    for bad, named in [({"prompt": PROMPTS[0], "prompt_token_ids": ids[0]}, "one key"),
+                       ({"prompt": ids[0]}, "holds text"), ({"prompt_token_ids": PROMPTS[0]}, "holds text"),
+                       ({"multi_modal_data": {}}, "multi_modal_data"), ({"prompt_token_ids": [-1]}, "token")]:
+        with pytest.raises(TokenmillError, match=named):
+            llm.generate(bad, params)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -72,13 +72,14 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts: a string, a list of strings, a list of
-        token ids, or a list of lists of token ids. `priority`: one int per prompt, lower runs first."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """One RequestOutput per prompt, in order. Prompts: a string, a list of token ids, or vLLM's
+        dict form ({"prompt": text} or {"prompt_token_ids": ids}), or a list of those. `priority`:
+        one int per prompt, lower runs first."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise TokenmillError(f"prompts: expected a string, a list of strings, a list of token ids or a list of "
-                                 f"lists of token ids, got {type(prompts).__name__}")
+            raise TokenmillError(f"prompts: expected a string, a list of token ids, a dict prompt or a list of "
+                                 f"those, got {type(prompts).__name__}")
         tokenized = [self.tokenize_prompt(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm, priority)
 

@@ -43,7 +43,8 @@ from tokenmill.tool_calls import (
     parse_tools,
 )
 
-PromptType = str | list[int]
+# a prompt: text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
+PromptType = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
 
 # generation_config.json keys that become default sampling values (as vLLM does).
@@ -111,7 +112,17 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             check_prompt_token_ids(prompt, self.vocab_size)
             return None, list(prompt)
-        raise TokenmillError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if keys not in ({"prompt"}, {"prompt_token_ids"}):
+                raise TokenmillError(f"prompt: a dict prompt holds one key, \"prompt\" (text) or \"prompt_token_ids\" "
+                                     f"(token ids), got {sorted(keys)}")
+            inner = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if isinstance(inner, str) != ("prompt" in keys):
+                raise TokenmillError("prompt: \"prompt\" holds text and \"prompt_token_ids\" a list of token ids")
+            return self.tokenize_prompt(inner)
+        raise TokenmillError(f"prompt: expected a string, a list of token ids or a dict with \"prompt\" or "
+                             f"\"prompt_token_ids\", got {type(prompt).__name__}")
 
     def tool_plan(self, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool = True) -> ToolPlan:
         """The tools of a chat request (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`),

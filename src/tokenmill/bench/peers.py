@@ -74,9 +74,10 @@ REPACK_ENV = "TOKENMILL_LLAMA_REPACK"
 def llama_repack() -> bool:
     """Do the llama.cpp peers repack weights (llama.cpp's default: its "extra buffer types", the AMX
     tiles and the interleaved CPU layouts, its fastest CPU path)? Not on a CPU with AMX: there
-    llama.cpp's AMX matmul segfaults at the first evaluation (seen on this project's Sapphire Rapids
-    machine with Q4_1 and Q8_0, in llama-cpp-python and llama-server alike; llama.cpp issue 20824),
-    so the peer would give no number at all. $TOKENMILL_LLAMA_REPACK = 1 / 0 decides instead."""
+    llama.cpp's AMX matmul crashes at the first evaluation (seen on this project's Sapphire Rapids
+    machines with Q4_1 and Q8_0, in llama-cpp-python and llama-server alike, as a segfault and, with
+    the pinned build, as an illegal instruction; llama.cpp issue 20824), so the peer would give no
+    number at all. $TOKENMILL_LLAMA_REPACK = 1 / 0 decides instead."""
     from tokenmill.kernels import cpu_flags
 
     chosen = os.environ.get(REPACK_ENV)

@@ -99,6 +99,7 @@ def test_generate_accepts_every_prompt_form_and_keeps_order(llm):
     assert [o.outputs[0].token_ids for o in dicts] == [expected[0], expected[2]]
     for bad, named in [({"prompt": PROMPTS[0], "prompt_token_ids": ids[0]}, "one key"),
                        ({"prompt": ids[0]}, "holds text"), ({"prompt_token_ids": PROMPTS[0]}, "holds text"),
+                       ({"prompt_token_ids": {"prompt": PROMPTS[0]}}, "holds text"), ({}, "one key"),
                        ({"multi_modal_data": {}}, "multi_modal_data"), ({"prompt_token_ids": [-1]}, "token")]:
         with pytest.raises(TokenmillError, match=named):
             llm.generate(bad, params)

@@ -59,7 +59,8 @@ class LLM:
     # ---- prompts (see InputProcessor) ---------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt given as text or as token ids (validated)."""
+        """(text or None, token ids) of a prompt given as text, as token ids or as vLLM's dict of
+        either (validated)."""
         return self.inputs.tokenize_prompt(prompt)
 
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool,
@@ -169,8 +170,8 @@ class LLM:
     def stream(self, prompt: PromptType | None = None, sampling_params: SamplingParams | None = None, *,
                messages: Messages | None = None,
                chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[RequestOutput]:
-        """Generate for one prompt (or one chat conversation, with optional extra template
-        variables as in `chat`), yielding the output after every step that changed it;
+        """Generate for one prompt (any one form `generate` takes) or one chat conversation (with
+        optional extra template variables as in `chat`), yielding the output after every step that changed it;
         `outputs[i].text` grows, the last yield has finished=True."""
         if (prompt is None) == (messages is None):
             raise TokenmillError("stream(): pass exactly one of prompt or messages")

@@ -103,8 +103,8 @@ class InputProcessor:
         return SamplingParams(**values)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt given as text or as token ids, checked before
-        anything decodes them."""
+        """(text or None, token ids) of a prompt given as text, as token ids or as vLLM's dict of
+        either, checked before anything decodes them."""
         if isinstance(prompt, str):
             if not prompt:
                 raise TokenmillError("prompt: must not be empty")
@@ -117,9 +117,11 @@ class InputProcessor:
             if keys not in ({"prompt"}, {"prompt_token_ids"}):
                 raise TokenmillError(f"prompt: a dict prompt holds one key, \"prompt\" (text) or \"prompt_token_ids\" "
                                      f"(token ids), got {sorted(keys)}")
-            inner = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            if isinstance(inner, str) != ("prompt" in keys):
-                raise TokenmillError("prompt: \"prompt\" holds text and \"prompt_token_ids\" a list of token ids")
+            text = "prompt" in keys
+            inner = prompt["prompt"] if text else prompt["prompt_token_ids"]
+            if not (isinstance(inner, str) if text else isinstance(inner, (list, tuple))):
+                raise TokenmillError("prompt: \"prompt\" holds text and \"prompt_token_ids\" a list of token ids, "
+                                     f"got {type(inner).__name__}")
             return self.tokenize_prompt(inner)
         raise TokenmillError(f"prompt: expected a string, a list of token ids or a dict with \"prompt\" or "
                              f"\"prompt_token_ids\", got {type(prompt).__name__}")

@@ -330,6 +330,7 @@ static void amx_configure(void) {
     config.colsb[2] = 64;
     config.rows[3] = config.rows[4] = 16;
     config.colsb[3] = config.colsb[4] = 64;
+    __asm__ volatile("" ::: "memory");   /* (gcc's intrinsic declares a read of the first 8 bytes only) */
     _tile_loadconfig(&config);
 }
 
@@ -345,8 +346,9 @@ static inline void amx_unpack(const uint8_t *tg, uint8_t out[GROUP / 4][64]) {
 }
 
 /* The products of one group: 16 activation rows (from qg, the hi plane; the lo plane k bytes on)
- * x the group's weight operand w, to sums[0] (hi) and sums[1] (lo). gcc's tile load and store
- * intrinsics do not tell the compiler that they read or write memory, hence the barriers. */
+ * x the group's weight operand w, to sums[0] (hi) and sums[1] (lo). gcc's tile load intrinsic does
+ * not tell the compiler that it reads memory (nor, in some versions, the tile store that it writes):
+ * hence the barriers. */
 static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int32_t sums[2][16][TILE]) {
     __asm__ volatile("" ::: "memory");   /* w's unpacking is stored before the tile load reads it */
     _tile_loadd(2, w, 64);

@@ -2,8 +2,8 @@
  * vector math the kernels need and float sums in one fixed order (sum16). Everything here is static
  * inline: each unit gets its own copy, so no call crosses a unit boundary in a hot loop.
  *
- * HAVE_AVX512 (AVX-512F), HAVE_VNNI (plus BW and VNNI), HAVE_AMX (plus the int8 tiles) and HAVE_AVX2 (with FMA and F16C) follow
- * the compiler's target (-march=native). Each kernel has a portable C version beside its AVX-512 one; the portable one
+ * HAVE_AVX512 (AVX-512F), HAVE_VNNI (plus BW and VNNI), HAVE_AMX (plus the int8 tiles, on Linux)
+ * and HAVE_AVX2 (with FMA and F16C) follow the compiler's target (-march=native). Each kernel has a portable C version beside its AVX-512 one; the portable one
  * runs where the instructions are missing, and is the tests' reference where they are not. */
 #ifndef TOKENMILL_SIMD_H
 #define TOKENMILL_SIMD_H
@@ -42,8 +42,8 @@ static ALWAYS_INLINE void prefetch_ahead(const void *p, int64_t nbytes) {   /* (
 
 /* AMX (Sapphire Rapids and later): tile registers of 16 rows x 64 bytes, one instruction a 16 x 16
  * block of int8 dot products over 64 bytes. The quantized matmul's path for 16 activation rows at a
- * time; the process must ask Linux for the tile state first (quant_matmul.c). */
-#if defined(HAVE_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+ * time; the process must ask Linux for the tile state first (quant_matmul.c), hence Linux only. */
+#if defined(HAVE_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__x86_64__) && defined(__linux__)
 #define HAVE_AMX 1
 #endif
 

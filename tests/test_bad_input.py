@@ -286,7 +286,8 @@ def test_empty_prompt(llm, reference, prompts):
     pytest.param([1.5, 2.0], id="floats"),
     pytest.param([None], id="none"),
     pytest.param(5, id="an-int"),
-    pytest.param({"prompt": "hi"}, id="a-dict"),
+    pytest.param({"text": "hi"}, id="a-dict-of-another-key"),   # ({"prompt": ...} is vLLM's TextPrompt)
+    pytest.param({"prompt_token_ids": [5, 400]}, id="a-tokens-dict-past-the-vocabulary"),
 ])
 def test_bad_prompt_values(llm, reference, prompts):
     raises(TokenmillError, lambda: llm.generate(prompts, greedy(), use_tqdm=False), "prompt")

@@ -496,6 +496,7 @@ def test_quality_bench_llama_cpp_mode_scores_each_window_from_position_zero(monk
     fake.Llama = FakeLlama
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     monkeypatch.setattr(peers, "llama_cpp_python_status", lambda: peers.PeerStatus("fake", True, "0", None, "fake"))
+    monkeypatch.setenv(peers.REPACK_ENV, "1")   # (on an AMX CPU the peer would patch the C API, which the fake lacks)
     path = str(tiny_gguf_model("llama", "Q8_0"))
     report = run_quality(path, ["auto", LLAMA_CPP], context=40, chunk_size=16,
                          text=TEXT_PATH.read_text(encoding="utf-8")[:600])

@@ -173,7 +173,8 @@ def test_the_quantized_matmul_takes_amx_where_the_cpu_has_it():
     answer is the process's), the build has the tile path and uses it: a build or a permission
     request gone wrong would fall back to VNNI silently, at VNNI's speed."""
     arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18   # x86-64 Linux's numbers
-    if ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xtiledata) != 0:
+    syscall = ctypes.CDLL(None, use_errno=True).syscall   # (variadic: every argument a long)
+    if syscall(*map(ctypes.c_long, (arch_prctl, req_xcomp_perm, xtiledata))) != 0:
         pytest.skip(f"Linux did not grant the AMX tile state (errno {ctypes.get_errno()})")
     assert kernels.has_amx_matmul()
 

@@ -150,9 +150,10 @@ def test_kernel_computes_its_formula(bits, rows, cols):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(40, 96), (48, 160), (16, 1536)])
-def test_row_blocks_of_sixteen_equal_the_generic_path(bits, symmetric, n, k):
-    """Where AMX runs (blocks of 16 activation rows in tiles, the rest with VNNI), every output is the
-    portable path's bit for bit: chunks of 64 rows with a short last block, a partial last tile
+def test_amx_row_blocks_equal_the_generic_path(bits, symmetric, n, k):
+    """Where AMX runs (blocks of 16 activation rows in tiles, a step of 10 to 15 rows as one block,
+    the rest with VNNI), every output is the portable path's bit for bit: steps of 9, 10 and 15
+    rows, chunks of 64 rows with a short last block, a partial last tile
     (n = 40), weights of 3, 5 and 48 groups (batches of 4 groups, a short last batch), a zero row,
     the fused residual. On a VNNI build without AMX it holds VNNI to the same (on other builds it
     checks only the zero row)."""
@@ -160,7 +161,7 @@ def test_row_blocks_of_sixteen_equal_the_generic_path(bits, symmetric, n, k):
         QuantWeight(random_block_quant(n, k, bits, seed=n), torch.float32)
     x, residual = torch.randn(150, k) * 3, torch.randn(150, n)
     x[3] = 0
-    for rows in (16, 17, 64, 80, 150):
+    for rows in (9, 10, 15, 16, 17, 64, 80, 150):
         y = kernels.quant_matmul(x[:rows], weight.plan(), residual=residual[:rows])
         if kernels.has_vnni_matmul():
             assert torch.equal(y, kernels.quant_matmul(x[:rows], weight.plan(), residual=residual[:rows], generic=True))

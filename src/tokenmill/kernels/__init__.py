@@ -244,8 +244,9 @@ def has_vnni_matmul() -> bool:
 
 
 def has_amx_matmul() -> bool:
-    """Does the quantized matmul run blocks of 16 activation rows on AMX tiles (Sapphire Rapids and
-    later, with a Linux that grants the tile state)? The results are the VNNI path's, bit for bit."""
+    """Does the quantized matmul run blocks of 16 activation rows (and steps of 10 to 15 rows) on AMX
+    tiles (Sapphire Rapids and later, with a Linux that grants the tile state)? The results are the
+    VNNI path's, bit for bit."""
     lib = load()
     return lib is not None and bool(lib.quant_matmul_has_amx())
 

@@ -151,8 +151,9 @@ int quant_matmul(const float *x, int64_t mrows, const tm_weight *w, int gated, c
 /* 1 where quant_matmul has its VNNI path (AVX-512 builds); 0 where it runs the AVX2 path (x86-64-v3
  * builds) or the portable loops. */
 int quant_matmul_has_simd(void);
-/* 1 where quant_matmul runs blocks of 16 activation rows on AMX tiles (a build for an AMX CPU, on a
- * Linux that granted the tile state); the rows left over, and fewer than 16 rows, take VNNI. */
+/* 1 where quant_matmul runs blocks of 16 activation rows on AMX tiles, and a step of 10 to 15 rows
+ * as one block (a build for an AMX CPU, on a Linux that granted the tile state); the rows left
+ * over, and steps of fewer than 10 rows, take VNNI. */
 int quant_matmul_has_amx(void);
 
 /* y [m, n] fp32 = f(x) W^T (+ residual) for a dense bfloat16 W [n, k] and a few fp32 rows x (dense_matmul.c);

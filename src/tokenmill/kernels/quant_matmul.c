@@ -291,7 +291,7 @@ __attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_
 #endif
 
 #ifdef HAVE_AMX
-/* ---- AMX: 16 activation rows x one tile (16 outputs) per group, in tile registers ----
+/* ---- AMX: up to 16 activation rows x one tile (16 outputs) per group, in tile registers ----
  * Per group, two tile products (TDPBSUD: signed activation bytes x unsigned weight bytes) give the
  * hi and lo plane sums of 16 rows x 16 outputs as int32, the same exact integers row_group forms
  * with VNNI; stored to memory, they are scaled and added with row_group's float operations in its
@@ -315,20 +315,20 @@ __attribute__((constructor)) static void amx_request(void) {
     amx_usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* The tile shapes (palette 1): activations 16 rows x 32 bytes (one group), the weight 8 rows x 64
- * bytes (4 inputs of 16 outputs a row), the sums 16 rows x 16 int32. Per thread: each thread of a
- * team loads it before its first tile instruction. */
-static void amx_configure(void) {
+/* The tile shapes (palette 1): activations m rows (at most 16) x 32 bytes (one group), the weight
+ * 8 rows x 64 bytes (4 inputs of 16 outputs a row), the sums m rows x 16 int32. Per thread: each
+ * thread of a team loads it before its first tile instruction. */
+static void amx_configure(int m) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
     } config = {.palette = 1};
-    config.rows[0] = config.rows[1] = 16;
+    config.rows[0] = config.rows[1] = (uint8_t)m;
     config.colsb[0] = config.colsb[1] = GROUP;
     config.rows[2] = GROUP / 4;
     config.colsb[2] = 64;
-    config.rows[3] = config.rows[4] = 16;
+    config.rows[3] = config.rows[4] = (uint8_t)m;
     config.colsb[3] = config.colsb[4] = 64;
     __asm__ volatile("" ::: "memory");   /* (gcc's intrinsic declares a read of the first 8 bytes only) */
     _tile_loadconfig(&config);
@@ -345,7 +345,7 @@ static inline void amx_unpack(const uint8_t *tg, uint8_t out[GROUP / 4][64]) {
     }
 }
 
-/* The products of one group: 16 activation rows (from qg, the hi plane; the lo plane k bytes on)
+/* The products of one group: the block's activation rows (from qg, the hi plane; the lo plane k bytes on)
  * x the group's weight operand w, to sums[0] (hi) and sums[1] (lo). gcc's tile load intrinsic does
  * not tell the compiler that it reads memory (nor, in some versions, the tile store that it writes):
  * hence the barriers. */
@@ -370,8 +370,14 @@ static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int32_t
  * load stalled the core for a long part of the group's time. */
 #define AMX_BATCH 4
 
-/* Activation rows [i0, i0 + 16) against tile t. */
-static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows) {
+/* The fewest activation rows a step runs on the tiles (all of them in one block). Fewer rows pay
+ * the weight's loads and unpacking per row more than the tile products save: on
+ * `scripts/kernel-ab.py matmul`, 7-8 rows ran at VNNI's speed, 10 at 1.09x, 12 at 1.17x, 14 at
+ * 1.29x. */
+#define AMX_MIN_ROWS 10
+
+/* Activation rows [i0, i0 + m) against tile t, m the rows the tiles were configured for. */
+static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows, int m) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
     const uint8_t *tw = job->w + t * groups * gbytes;
     _Alignas(64) int32_t sums[AMX_BATCH][2][16][TILE];
@@ -398,7 +404,7 @@ static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows) {
                                              : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
             const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
             #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) {   /* row_group's float operations, in its order */
+            for (int i = 0; i < 16 && i < m; i++) {   /* row_group's float operations, in its order */
                 const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[b][0][i])),
                                                  _mm512_set1_ps(254.0f),
                                                  _mm512_cvtepi32_ps(_mm512_load_si512(sums[b][1][i])));
@@ -408,7 +414,7 @@ static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows) {
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
-    for (int i = 0; i < 16; i++) store_tile_row(job, acc[i], i0 + i, t, mask);
+    for (int i = 0; i < m; i++) store_tile_row(job, acc[i], i0 + i, t, mask);
 }
 #endif
 
@@ -613,20 +619,21 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
     /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of the
      * weight passes over them (a prefill chunk's rows would not). */
 #ifdef HAVE_AMX
-    const int amx = !generic && amx_usable && mrows >= 16;
-    if (amx) amx_configure();
+    /* the tiles take blocks of 16 rows, or all the rows of a step of AMX_MIN_ROWS to 15 */
+    const int amx = !generic && amx_usable && mrows >= AMX_MIN_ROWS, amx_rows = mrows < 16 ? (int)mrows : 16;
+    if (amx) amx_configure(amx_rows);
 #endif
     for (int64_t first = 0; first < mrows; first += ROW_CHUNK) {
         const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
 #ifdef HAVE_AMX
-        if (amx) {   /* blocks of 16 rows in the tiles, a last shorter block with VNNI */
-            const int64_t blocks = (last - first + 15) / 16;
+        if (amx) {   /* blocks of amx_rows in the tiles, a last shorter block with VNNI */
+            const int64_t blocks = (last - first + amx_rows - 1) / amx_rows;
             #pragma omp for collapse(2) schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
                 for (int64_t b = 0; b < blocks; b++) {
                     const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
-                    const int64_t i = first + 16 * b, end = i + 16 < last ? i + 16 : last;
-                    if (end - i == 16) tile_amx(&job, t, i, nrows);
+                    const int64_t i = first + amx_rows * b, end = i + amx_rows < last ? i + amx_rows : last;
+                    if (end - i == amx_rows) tile_amx(&job, t, i, nrows, amx_rows);
                     else tile_rows_vnni(&job, t, i, end, nrows);
                 }
             }

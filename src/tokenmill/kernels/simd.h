@@ -41,8 +41,8 @@ static ALWAYS_INLINE void prefetch_ahead(const void *p, int64_t nbytes) {   /* (
 #endif
 
 /* AMX (Sapphire Rapids and later): tile registers of 16 rows x 64 bytes, one instruction a 16 x 16
- * block of int8 dot products over 64 bytes. The quantized matmul's path for 16 activation rows at a
- * time; the process must ask Linux for the tile state first (quant_matmul.c), hence Linux only. */
+ * block of int8 dot products over 64 bytes. The quantized matmul's path for blocks of up to 16 activation
+ * rows; the process must ask Linux for the tile state first (quant_matmul.c), hence Linux only. */
 #if defined(HAVE_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__x86_64__) && defined(__linux__)
 #define HAVE_AMX 1
 #endif

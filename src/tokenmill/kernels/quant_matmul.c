@@ -205,6 +205,14 @@ static void tile_generic(const tile_job *job, int64_t t, int64_t i0, int64_t mb,
 }
 
 #ifdef HAVE_VNNI
+/* acc + one activation row's group from its plane sums (hi, lo: an int32 per output): the float
+ * steps of the VNNI and AMX paths, in tile_generic's order (the same bits on every path). */
+static inline __m512 add_group_sums(__m512 acc, __m512i hi, __m512i lo, __m512 dv, __m512 mv, float dx, float bx) {
+    const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(lo));
+    acc = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc);
+    return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), acc);
+}
+
 /* One activation row's contribution of one group to a tile's 16 outputs: acc + the group's sums
  * (16 dot products of 4 inputs each per plane; 4 independent chains). */
 static inline __m512 row_group(__m512 acc, const __m512i *u, const int8_t *qrow, int64_t k, __m512 dv, __m512 mv,
@@ -218,10 +226,7 @@ static inline __m512 row_group(__m512 acc, const __m512i *u, const int8_t *qrow,
         h1 = _mm512_dpbusd_epi32(h1, u[c + 1], _mm512_set1_epi32(a[c + 1]));
         l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));
     }
-    const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), _mm512_set1_ps(254.0f),
-                                     _mm512_cvtepi32_ps(_mm512_add_epi32(l0, l1)));
-    acc = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc);
-    return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), acc);
+    return add_group_sums(acc, _mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), dv, mv, dx, bx);
 }
 
 /* Row i of a tile's result, + residual, to y (mask: the tile's live outputs). */
@@ -294,8 +299,8 @@ __attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_
 /* ---- AMX: up to 16 activation rows x one tile (16 outputs) per group, in tile registers ----
  * Per group, two tile products (TDPBSUD: signed activation bytes x unsigned weight bytes) give the
  * hi and lo plane sums of 16 rows x 16 outputs as int32, the same exact integers row_group forms
- * with VNNI; stored to memory, they are scaled and added with row_group's float operations in its
- * order, so every output is bit for bit the VNNI path's (and the generic path's). The packed tile
+ * with VNNI; stored to memory, they are scaled and added by row_group's add_group_sums, so every
+ * output is bit for bit the VNNI path's (and the generic path's). The packed tile
  * group of an 8-bit weight is already the B operand's layout (row c: inputs 4c..4c+3 of each of the
  * 16 outputs); a 4-bit one is unpacked into that layout first. What bounds this path is the tile
  * unit's work per group: each group's int32 sums need their own scales, so every group takes two
@@ -404,13 +409,9 @@ static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows, int 
                                              : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
             const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
             #pragma GCC unroll 16
-            for (int i = 0; i < 16 && i < m; i++) {   /* row_group's float operations, in its order */
-                const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[b][0][i])),
-                                                 _mm512_set1_ps(254.0f),
-                                                 _mm512_cvtepi32_ps(_mm512_load_si512(sums[b][1][i])));
-                acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dxg[i * groups])), acc[i]);
-                acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(bxg[i * groups]), acc[i]);
-            }
+            for (int i = 0; i < 16 && i < m; i++)
+                acc[i] = add_group_sums(acc[i], _mm512_load_si512(sums[b][0][i]), _mm512_load_si512(sums[b][1][i]),
+                                        dv, mv, dxg[i * groups], bxg[i * groups]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
@@ -618,34 +619,30 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
     }
     /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of the
      * weight passes over them (a prefill chunk's rows would not). */
+    int64_t block = MBLOCK;   /* rows a work item takes */
 #ifdef HAVE_AMX
-    /* the tiles take blocks of 16 rows, or all the rows of a step of AMX_MIN_ROWS to 15 */
+    /* the tiles take blocks of 16 rows, or all the rows of a step of AMX_MIN_ROWS to 15 (a chunk's
+     * shorter last block goes to VNNI) */
     const int amx = !generic && amx_usable && mrows >= AMX_MIN_ROWS, amx_rows = mrows < 16 ? (int)mrows : 16;
-    if (amx) amx_configure(amx_rows);
+    if (amx) {
+        amx_configure(amx_rows);
+        block = amx_rows;
+    }
 #endif
     for (int64_t first = 0; first < mrows; first += ROW_CHUNK) {
         const int64_t last = first + ROW_CHUNK < mrows ? first + ROW_CHUNK : mrows;
-#ifdef HAVE_AMX
-        if (amx) {   /* blocks of amx_rows in the tiles, a last shorter block with VNNI */
-            const int64_t blocks = (last - first + amx_rows - 1) / amx_rows;
-            #pragma omp for collapse(2) schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                for (int64_t b = 0; b < blocks; b++) {
-                    const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
-                    const int64_t i = first + amx_rows * b, end = i + amx_rows < last ? i + amx_rows : last;
-                    if (end - i == amx_rows) tile_amx(&job, t, i, nrows, amx_rows);
-                    else tile_rows_vnni(&job, t, i, end, nrows);
-                }
-            }
-            continue;
-        }
-#endif
-        const int64_t mblocks = (last - first + MBLOCK - 1) / MBLOCK;
+        const int64_t blocks = (last - first + block - 1) / block;
         #pragma omp for collapse(2) schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            for (int64_t b = 0; b < mblocks; b++) {
+            for (int64_t b = 0; b < blocks; b++) {
                 const int nrows = (int)(n - t * TILE < TILE ? n - t * TILE : TILE);
-                const int64_t i = first + b * MBLOCK, end = i + MBLOCK < last ? i + MBLOCK : last;
+                const int64_t i = first + b * block, end = i + block < last ? i + block : last;
+#ifdef HAVE_AMX
+                if (amx && end - i == amx_rows) {
+                    tile_amx(&job, t, i, nrows, amx_rows);
+                    continue;
+                }
+#endif
 #ifdef HAVE_VNNI
                 if (!generic) {
                     tile_rows_vnni(&job, t, i, end, nrows);

@@ -129,7 +129,7 @@ def test_packed_rows_read_back_exactly(bits, rows, cols):
 def test_kernel_computes_its_formula(bits, rows, cols):
     q = random_block_quant(rows, cols, bits, seed=cols)
     weight = QuantWeight(q, torch.float32)
-    x = torch.randn(21, cols)  # 21 rows: blocks of 8, 4, 2 and 1 in the SIMD path
+    x = torch.randn(21, cols)  # 21 rows: blocks of 8, 8 and 5 rows in the SIMD path
     x[3] = 0  # an all-zero row (scale 0)
     y = weight.matmul(x)
     generic = kernels.quant_matmul(x, weight.plan(), generic=True)
@@ -145,6 +145,8 @@ def test_kernel_computes_its_formula(bits, rows, cols):
     for i in (0, 7, 8, 20):
         assert torch.equal(weight.matmul(x[i:i + 1]), y[i:i + 1])
     assert torch.equal(weight.matmul(x[5:18]), y[5:18])
+    for m in range(2, 8):   # a step of m rows: one block of m (each size its own SIMD code)
+        assert torch.equal(weight.matmul(x[:m]), y[:m])
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -284,14 +284,22 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t
     if (MB > 7) store_tile_row(job, acc7, i0 + 7, t, mask);
 }
 
-/* Activation rows [i, end) against tile t, in runs of 8, 4, 2 and 1 rows. Kept out of line: the
- * caller's loops and these register-hungry bodies are allocated apart. */
+/* Activation rows [i, end) against tile t, 8 at a time and the rest in one pass (every pass unpacks
+ * the weights again: a speculative step's k + 1 rows or a small batch are one pass, not 4 + 2 + 1).
+ * Kept out of line: the caller's loops and these register-hungry bodies are allocated apart. */
 __attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_t t, int64_t i, int64_t end,
                                                      int nrows) {
     for (; end - i >= 8; i += 8) tile_vnni(8, job, t, i, nrows);
-    for (; end - i >= 4; i += 4) tile_vnni(4, job, t, i, nrows);
-    for (; end - i >= 2; i += 2) tile_vnni(2, job, t, i, nrows);
-    for (; end - i >= 1; i += 1) tile_vnni(1, job, t, i, nrows);
+    switch (end - i) {
+    case 7: tile_vnni(7, job, t, i, nrows); break;
+    case 6: tile_vnni(6, job, t, i, nrows); break;
+    case 5: tile_vnni(5, job, t, i, nrows); break;
+    case 4: tile_vnni(4, job, t, i, nrows); break;
+    case 3: tile_vnni(3, job, t, i, nrows); break;
+    case 2: tile_vnni(2, job, t, i, nrows); break;
+    case 1: tile_vnni(1, job, t, i, nrows); break;
+    default: break;
+    }
 }
 #endif
 

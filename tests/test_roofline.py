@@ -4,13 +4,15 @@ the command end to end on a tiny model (no timing assertions)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from engine_helpers import make_engine
 from transformers import AutoModelForCausalLM
 
-from tokenmill.bench.roofline import matmul_flops_per_row, weight_bytes_per_step
+from tokenmill.bench import roofline
+from tokenmill.bench.roofline import Machine, StepCost, matmul_flops_per_row, weight_bytes_per_step
 from tokenmill.cli import main
 
 EMBEDDINGS = ("embed_tokens", "wte", "wpe")
@@ -43,6 +45,8 @@ def test_roofline_command_end_to_end(tiny_hf_model, tmp_path, capsys):
     names = [r["name"] for r in report["rows"]]
     assert names == ["decode batch 1, context 20", "decode batch 3, context 20", "prefill 24 tokens"]
     assert report["machine"]["read_gb_s"] > 0 and report["machine"]["matmul_gflop_s"] > 0
+    assert len(report["machine"]["read_samples"]) == 2   # before and after the runs
+    assert report["machine"]["read_gb_s"] == max(report["machine"]["read_samples"])
     for row in report["rows"]:
         assert row["bound_tok_s"] > 0 and row["measured_tok_s"] > 0
         assert row["bound_by"] in ("memory", "compute")
@@ -87,3 +91,16 @@ def test_dense_bf16_peak_is_measured_as_the_model_runs_it(fast_bf16, monkeypatch
     expected = torch.bfloat16 if fast_bf16 else torch.float32
     assert set(calls) == {(expected, expected)}
     assert machine.matmul == ("bfloat16 matmul (torch)" if fast_bf16 else "bfloat16 weights, float32 matmul (torch)")
+
+
+@pytest.mark.parametrize("after", [20.0, 5.0])
+def test_the_bound_takes_the_higher_bandwidth_of_before_and_after_the_runs(after, monkeypatch):
+    # a bandwidth measured at a slow moment (other tenants' traffic) must not lower the bound
+    shape = SimpleNamespace(num_heads=1, head_dim=1, num_layers=1)   # (attention's FLOPs: a memory-bound step)
+    cost = StepCost(Machine(2, 10.0, 100.0, "test", (10.0,)), 10**9, 1000, 10**6, shape)
+    monkeypatch.setattr(roofline, "read_bandwidth_gb_s", lambda: after)
+    again = cost.remeasured()
+    assert again.machine.read_samples == (10.0, after)
+    assert again.machine.read_gb_s == max(10.0, after)
+    row = again.decode(1, 0, 1.0)
+    assert row.bound_tok_s == pytest.approx(max(10.0, after) * 1e9 / (10**9 + 1000))

@@ -23,7 +23,7 @@ import json
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,10 @@ from tokenmill.config import ModelConfig
 @dataclass
 class Machine:
     threads: int
-    read_gb_s: float          # sum over a buffer far larger than the caches
+    read_gb_s: float          # sum over a buffer far larger than the caches (the highest of read_samples)
     matmul_gflop_s: float     # a large square matmul, of the kind the model's weights run on
     matmul: str               # which: torch's in the compute dtype, or tokenmill's quantized kernel
+    read_samples: tuple[float, ...] = ()   # every read_gb_s measured (before the runs, after them)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -55,7 +56,10 @@ def _best_time(fn, repeats: int) -> float:
 
 def read_bandwidth_gb_s(buffer_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """GB/s of a sum over a buffer far larger than the caches, with torch's threads (the best of
-    `repeats`)."""
+    `repeats`). One measurement is one moment: on a shared VM it moves with other tenants' memory
+    traffic (an AVX-512 EPYC read 32-35 GB/s for minutes, then 52-55), so the benchmarks measure it
+    before and after their runs and bound with the higher (`StepCost.remeasured`): a bound taken at
+    a slow moment would flatter every fraction of it."""
     buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
     return buffer_bytes / _best_time(buf.sum, repeats) / 1e9
 
@@ -76,12 +80,12 @@ def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: i
         flops = 2 * n**3 / best(lambda: dense_linear(a, a, kernel=False)) / 1e9
         weights, compute = (str(t).removeprefix("torch.") for t in (dtype, dense_matmul_dtype(a)))
         name = weights if compute == weights else f"{weights} weights, {compute}"
-        return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)")
+        return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)", (read,))
     from tokenmill.layers.quant import QuantWeight, quantize
 
     weight, x = QuantWeight(quantize(torch.randn(n, n), bits), torch.float32), torch.randn(n, n)
     flops = 2 * n**3 / best(lambda: weight.matmul(x)) / 1e9
-    return Machine(torch.get_num_threads(), read, flops, f"int{bits} quantized kernel (float32 activations)")
+    return Machine(torch.get_num_threads(), read, flops, f"int{bits} quantized kernel (float32 activations)", (read,))
 
 
 def weight_bytes_per_step(model: torch.nn.Module, vocab_size: int) -> int:
@@ -168,6 +172,12 @@ class StepCost:
         return cls(machine, weight_bytes_per_step(engine.model, cfg.vocab_size),
                    kv_bytes_per_token(cfg, engine.kv_dtype), matmul_flops_per_row(cfg), cfg)
 
+    def remeasured(self) -> StepCost:
+        """These costs with the read bandwidth measured again (after the runs), the higher kept."""
+        read = read_bandwidth_gb_s()
+        samples = (*self.machine.read_samples, read)
+        return replace(self, machine=replace(self.machine, read_gb_s=max(samples), read_samples=samples))
+
     def decode(self, batch: int, context: int, measured_tok_s: float) -> Row:
         """A decode step of `batch` requests of `context` cached tokens."""
         return bound(f"decode batch {batch}, context {context}", batch,
@@ -244,20 +254,21 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
         raise TokenmillError("bench roofline measures this CPU; run it with --device cpu")
     dtype = engine.dtype
     cost = StepCost.of(engine)
-    machine, weights, kv_token = cost.machine, cost.weight_bytes, cost.kv_bytes_per_token
     work = {**batch1_prompts(llm.tokenizer, [args.prefill_len], args.context, args.repeats, seed=0),
             "decode_tokens": args.steps + 1}   # steps decode steps after the first token
     at_batch1 = batch1.measure(stream_gen(llm), work)
-    rows = []
-    for batch in args.batch_size:
-        measured = at_batch1["decode_tok_s"] if batch == 1 else measure_decode(llm, batch, args.context, args.steps)
-        rows.append(cost.decode(batch, args.context, measured))
+    measured = {batch: at_batch1["decode_tok_s"] if batch == 1 else measure_decode(llm, batch, args.context, args.steps)
+                for batch in args.batch_size}
+    cost = cost.remeasured()
+    machine, weights, kv_token = cost.machine, cost.weight_bytes, cost.kv_bytes_per_token
+    rows = [cost.decode(batch, args.context, tok_s) for batch, tok_s in measured.items()]
     rows.append(cost.prefill(args.prefill_len, at_batch1[f"prefill_{args.prefill_len}_tok_s"]))
 
     print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "
           f"weights read per step: {weights / 2**20:.1f} MiB  KV ({str(engine.kv_dtype).removeprefix('torch.')}): "
           f"{kv_token} B/token")
-    print(f"machine ({machine.threads} threads): read bandwidth {machine.read_gb_s:.1f} GB/s, "
+    print(f"machine ({machine.threads} threads): read bandwidth {machine.read_gb_s:.1f} GB/s "
+          f"(the higher of {' and '.join(f'{r:.1f}' for r in machine.read_samples)}, before and after the runs), "
           f"{machine.matmul} {machine.matmul_gflop_s:.0f} GFLOP/s "
           f"(load average {os.getloadavg()[0]:.1f}: other work on the cores lowers both)")
     print(f"\n{'step':<32}{'MiB/step':>10}{'GFLOP/step':>12}{'bound by':>10}{'bound tok/s':>13}"

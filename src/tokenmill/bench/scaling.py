@@ -73,16 +73,21 @@ def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
         raise TokenmillError("bench scaling measures this CPU; run it with --device cpu")
     cost = StepCost.of(engine)
 
-    def point(batch: int, context: int) -> dict[str, Any]:
+    def measure(batch: int, context: int) -> tuple[int, int, float]:
         print(f"  batch {batch}, context {context} ...", flush=True)
-        row = cost.decode(batch, context, measure_decode(llm, batch, context, args.steps))
+        return batch, context, measure_decode(llm, batch, context, args.steps)
+
+    def point(batch: int, context: int, tok_s: float) -> dict[str, Any]:
+        row = cost.decode(batch, context, tok_s)
         return {**asdict(row), "batch": batch, "context": context, "fraction": row.fraction,
                 "step_ms": 1e3 * batch / row.measured_tok_s, "bound_step_ms": 1e3 * batch / row.bound_tok_s}
 
     print("batch sweep:", flush=True)
-    batch_sweep = [point(b, args.context) for b in sorted(set(args.batch_sizes))]
+    batch_runs = [measure(b, args.context) for b in sorted(set(args.batch_sizes))]
     print("context sweep:", flush=True)
-    context_sweep = [point(b, c) for b in sorted(set(args.context_batches)) for c in sorted(set(args.contexts))]
+    context_runs = [measure(b, c) for b in sorted(set(args.context_batches)) for c in sorted(set(args.contexts))]
+    cost = cost.remeasured()
+    batch_sweep, context_sweep = [point(*r) for r in batch_runs], [point(*r) for r in context_runs]
     report = {"model": source, "run_model": model, "dtype": str(engine.dtype), "kv_dtype": str(engine.kv_dtype),
               "machine": asdict(cost.machine), "weight_bytes_per_step": cost.weight_bytes,
               "kv_bytes_per_token": cost.kv_bytes_per_token,

@@ -45,7 +45,7 @@ def test_roofline_command_end_to_end(tiny_hf_model, tmp_path, capsys):
     names = [r["name"] for r in report["rows"]]
     assert names == ["decode batch 1, context 20", "decode batch 3, context 20", "prefill 24 tokens"]
     assert report["machine"]["read_gb_s"] > 0 and report["machine"]["matmul_gflop_s"] > 0
-    assert len(report["machine"]["read_samples"]) == 2   # before and after the runs
+    assert len(report["machine"]["read_samples"]) == 4   # two buffers before the runs, two after
     assert report["machine"]["read_gb_s"] == max(report["machine"]["read_samples"])
     for row in report["rows"]:
         assert row["bound_tok_s"] > 0 and row["measured_tok_s"] > 0
@@ -98,9 +98,9 @@ def test_the_bound_takes_the_higher_bandwidth_of_before_and_after_the_runs(after
     # a bandwidth measured at a slow moment (other tenants' traffic) must not lower the bound
     shape = SimpleNamespace(num_heads=1, head_dim=1, num_layers=1)   # (attention's FLOPs: a memory-bound step)
     cost = StepCost(Machine(2, 10.0, 100.0, "test", (10.0,)), 10**9, 1000, 10**6, shape)
-    monkeypatch.setattr(roofline, "read_bandwidth_gb_s", lambda: after)
+    monkeypatch.setattr(roofline, "read_bandwidth_gb_s", lambda: (after, 1.0))
     again = cost.remeasured()
-    assert again.machine.read_samples == (10.0, after)
+    assert again.machine.read_samples == (10.0, after, 1.0)
     assert again.machine.read_gb_s == max(10.0, after)
     row = again.decode(1, 0, 1.0)
     assert row.bound_tok_s == pytest.approx(max(10.0, after) * 1e9 / (10**9 + 1000))

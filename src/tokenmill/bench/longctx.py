@@ -9,7 +9,7 @@ in a process of its own, with flash attention on (`flash_attn`, the `-fa` of its
 cache type of tokenmill's (bf16 -> f16, the same bytes per value; int8 -> q8_0), its best settings
 at long context. Each decode row also shows tokenmill's rate as a fraction of the memory-bandwidth
 bound of a step at that context (`bench roofline`'s: every weight plus the L cached tokens' K/V read
-once, at the higher of the read bandwidths measured in tokenmill's process before and after its runs).
+once, at the highest read bandwidth measured in tokenmill's process, before and after its runs).
 
 Where L exceeds the model's context length (SmolLM2's 8192), both engines run a copy of the GGUF
 whose `context_length` says L (made once in the cache folder; RoPE unchanged): the text past the
@@ -93,7 +93,7 @@ def tokenmill_long(cfg: dict[str, Any]) -> dict[str, Any]:
     before = read_bandwidth_gb_s()
     contexts = batch1.measure_long(stream_gen(llm), cfg)
     engine = llm.engine
-    read_samples = [before, read_bandwidth_gb_s()]   # the higher bounds (read_bandwidth_gb_s: why)
+    read_samples = [*before, *read_bandwidth_gb_s()]   # the highest bounds (read_bandwidth_gb_s: why)
     read_gb_s = max(read_samples)
     weights = weight_bytes_per_step(engine.model, engine.model_config.vocab_size)
     kv_token = kv_bytes_per_token(engine.model_config, engine.kv_dtype)
@@ -206,8 +206,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\nmodel: {cfg['model']}  threads: {cfg['threads']}  tokenmill K/V: {tm['kv_dtype']}  "
           f"llama.cpp: {peer.get('missing') or 'flash attention, ' + peer['kv_type'] + ' K/V'}")
     print(f"each rate the median of {cfg['repeats']} fresh prompts; decode: {cfg['decode_tokens']} tokens after the "
-          f"first; bound: weights + context K/V at {tm['read_gb_s']:.1f} GB/s read (the higher of "
-          f"{' and '.join(f'{r:.1f}' for r in tm.get('read_samples', []))}, before and after the runs)")
+          f"first; bound: weights + context K/V at {tm['read_gb_s']:.1f} GB/s read (the highest of "
+          f"{', '.join(f'{r:.0f}' for r in tm.get('read_samples', []))}: buffers before and after the runs)")
     peers.print_repack_note(cfg.get("llama_repack"))
     print()
     print(f"{'context':>8} | {'prefill tok/s':>13} {'llama.cpp':>10} {'ratio':>6} | {'decode tok/s':>12} "

@@ -41,7 +41,7 @@ class Machine:
     read_gb_s: float          # sum over a buffer far larger than the caches (the highest of read_samples)
     matmul_gflop_s: float     # a large square matmul, of the kind the model's weights run on
     matmul: str               # which: torch's in the compute dtype, or tokenmill's quantized kernel
-    read_samples: tuple[float, ...] = ()   # every read_gb_s measured (before the runs, after them)
+    read_samples: tuple[float, ...] = ()   # every buffer's rate measured (before the runs, after them)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -54,14 +54,14 @@ def _best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def read_bandwidth_gb_s(buffer_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """GB/s of a sum over a buffer far larger than the caches, with torch's threads (the best of
-    `repeats`). One measurement is one moment: on a shared VM it moves with other tenants' memory
-    traffic (an AVX-512 EPYC read 32-35 GB/s for minutes, then 52-55), so the benchmarks measure it
-    before and after their runs and bound with the higher (`StepCost.remeasured`): a bound taken at
-    a slow moment would flatter every fraction of it."""
-    buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-    return buffer_bytes / _best_time(buf.sum, repeats) / 1e9
+def read_bandwidth_gb_s(buffer_bytes: int = 1 << 30, repeats: int = 5, buffers: int = 2) -> tuple[float, ...]:
+    """GB/s of a sum over each of `buffers` buffers far larger than the caches, held at once, with
+    torch's threads (each the best of `repeats`). On a shared VM the rate moves with time (other
+    tenants' traffic): an AVX-512 EPYC read 33-37 GB/s for a minute, then 62-67. A bound is the
+    machine's rate, the highest seen; the benchmarks measure again after their runs
+    (`StepCost.remeasured`), since a bound taken in a slow spell would flatter every fraction of it."""
+    held = [torch.ones(buffer_bytes // 4, dtype=torch.float32) for _ in range(buffers)]
+    return tuple(buffer_bytes / _best_time(buf.sum, repeats) / 1e9 for buf in held)
 
 
 def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: int = 1 << 30, n: int = 2048,
@@ -72,7 +72,8 @@ def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: i
     def best(fn) -> float:
         return _best_time(fn, repeats)
 
-    read = read_bandwidth_gb_s(buffer_bytes, repeats)
+    samples = read_bandwidth_gb_s(buffer_bytes, repeats)
+    read = max(samples)
     if bits is None:
         from tokenmill.layers.linear import dense_linear, dense_matmul_dtype
 
@@ -80,12 +81,12 @@ def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: i
         flops = 2 * n**3 / best(lambda: dense_linear(a, a, kernel=False)) / 1e9
         weights, compute = (str(t).removeprefix("torch.") for t in (dtype, dense_matmul_dtype(a)))
         name = weights if compute == weights else f"{weights} weights, {compute}"
-        return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)", (read,))
+        return Machine(torch.get_num_threads(), read, flops, f"{name} matmul (torch)", samples)
     from tokenmill.layers.quant import QuantWeight, quantize
 
     weight, x = QuantWeight(quantize(torch.randn(n, n), bits), torch.float32), torch.randn(n, n)
     flops = 2 * n**3 / best(lambda: weight.matmul(x)) / 1e9
-    return Machine(torch.get_num_threads(), read, flops, f"int{bits} quantized kernel (float32 activations)", (read,))
+    return Machine(torch.get_num_threads(), read, flops, f"int{bits} quantized kernel (float32 activations)", samples)
 
 
 def weight_bytes_per_step(model: torch.nn.Module, vocab_size: int) -> int:
@@ -174,8 +175,7 @@ class StepCost:
 
     def remeasured(self) -> StepCost:
         """These costs with the read bandwidth measured again (after the runs), the higher kept."""
-        read = read_bandwidth_gb_s()
-        samples = (*self.machine.read_samples, read)
+        samples = (*self.machine.read_samples, *read_bandwidth_gb_s())
         return replace(self, machine=replace(self.machine, read_gb_s=max(samples), read_samples=samples))
 
     def decode(self, batch: int, context: int, measured_tok_s: float) -> Row:
@@ -268,7 +268,7 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
           f"weights read per step: {weights / 2**20:.1f} MiB  KV ({str(engine.kv_dtype).removeprefix('torch.')}): "
           f"{kv_token} B/token")
     print(f"machine ({machine.threads} threads): read bandwidth {machine.read_gb_s:.1f} GB/s "
-          f"(the higher of {' and '.join(f'{r:.1f}' for r in machine.read_samples)}, before and after the runs), "
+          f"(the highest of {', '.join(f'{r:.0f}' for r in machine.read_samples)}: buffers before and after the runs), "
           f"{machine.matmul} {machine.matmul_gflop_s:.0f} GFLOP/s "
           f"(load average {os.getloadavg()[0]:.1f}: other work on the cores lowers both)")
     print(f"\n{'step':<32}{'MiB/step':>10}{'GFLOP/step':>12}{'bound by':>10}{'bound tok/s':>13}"

@@ -174,7 +174,7 @@ class StepCost:
                    kv_bytes_per_token(cfg, engine.kv_dtype), matmul_flops_per_row(cfg), cfg)
 
     def remeasured(self) -> StepCost:
-        """These costs with the read bandwidth measured again (after the runs), the higher kept."""
+        """These costs with the read bandwidth measured again (after the runs), the highest rate kept."""
         samples = (*self.machine.read_samples, *read_bandwidth_gb_s())
         return replace(self, machine=replace(self.machine, read_gb_s=max(samples), read_samples=samples))
 
@@ -257,11 +257,11 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     work = {**batch1_prompts(llm.tokenizer, [args.prefill_len], args.context, args.repeats, seed=0),
             "decode_tokens": args.steps + 1}   # steps decode steps after the first token
     at_batch1 = batch1.measure(stream_gen(llm), work)
-    measured = {batch: at_batch1["decode_tok_s"] if batch == 1 else measure_decode(llm, batch, args.context, args.steps)
-                for batch in args.batch_size}
+    measured = [(b, at_batch1["decode_tok_s"] if b == 1 else measure_decode(llm, b, args.context, args.steps))
+                for b in args.batch_size]
     cost = cost.remeasured()
     machine, weights, kv_token = cost.machine, cost.weight_bytes, cost.kv_bytes_per_token
-    rows = [cost.decode(batch, args.context, tok_s) for batch, tok_s in measured.items()]
+    rows = [cost.decode(batch, args.context, tok_s) for batch, tok_s in measured]
     rows.append(cost.prefill(args.prefill_len, at_batch1[f"prefill_{args.prefill_len}_tok_s"]))
 
     print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "

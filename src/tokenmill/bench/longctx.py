@@ -200,14 +200,15 @@ def build_table(contexts: list[int], results: dict[str, Any]) -> list[dict[str, 
 
 
 def print_table(report: dict[str, Any]) -> None:
+    from tokenmill.bench.roofline import describe_read
+
     cfg, results, table = report["config"], report["results"], report["table"]
     tm = results["tokenmill"]
     peer = results["llama.cpp"]
     print(f"\nmodel: {cfg['model']}  threads: {cfg['threads']}  tokenmill K/V: {tm['kv_dtype']}  "
           f"llama.cpp: {peer.get('missing') or 'flash attention, ' + peer['kv_type'] + ' K/V'}")
     print(f"each rate the median of {cfg['repeats']} fresh prompts; decode: {cfg['decode_tokens']} tokens after the "
-          f"first; bound: weights + context K/V at {tm['read_gb_s']:.1f} GB/s read (the highest of "
-          f"{', '.join(f'{r:.0f}' for r in tm.get('read_samples', []))}: buffers before and after the runs)")
+          f"first; bound: weights + context K/V read at {describe_read(tm['read_gb_s'], tm.get('read_samples', []))}")
     peers.print_repack_note(cfg.get("llama_repack"))
     print()
     print(f"{'context':>8} | {'prefill tok/s':>13} {'llama.cpp':>10} {'ratio':>6} | {'decode tok/s':>12} "

@@ -64,6 +64,12 @@ def read_bandwidth_gb_s(buffer_bytes: int = 1 << 30, repeats: int = 5, buffers: 
     return tuple(buffer_bytes / _best_time(buf.sum, repeats) / 1e9 for buf in held)
 
 
+def describe_read(read_gb_s: float, samples: tuple[float, ...] | list[float]) -> str:
+    """The read bandwidth a bound used, and the samples it is the highest of, for a report's header."""
+    return (f"{read_gb_s:.1f} GB/s (the highest of {', '.join(f'{r:.0f}' for r in samples)}: buffers before and "
+            f"after the runs)")
+
+
 def measure_machine(dtype: torch.dtype, bits: int | None = None, buffer_bytes: int = 1 << 30, n: int = 2048,
                     repeats: int = 5) -> Machine:
     """Read bandwidth, and the matmul peak of dense `dtype` weights as a model's many-row products run
@@ -267,8 +273,8 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     print(f"model: {llm.engine.config.model}  dtype: {str(dtype).removeprefix('torch.')}  "
           f"weights read per step: {weights / 2**20:.1f} MiB  KV ({str(engine.kv_dtype).removeprefix('torch.')}): "
           f"{kv_token} B/token")
-    print(f"machine ({machine.threads} threads): read bandwidth {machine.read_gb_s:.1f} GB/s "
-          f"(the highest of {', '.join(f'{r:.0f}' for r in machine.read_samples)}: buffers before and after the runs), "
+    print(f"machine ({machine.threads} threads): "
+          f"read bandwidth {describe_read(machine.read_gb_s, machine.read_samples)}, "
           f"{machine.matmul} {machine.matmul_gflop_s:.0f} GFLOP/s "
           f"(load average {os.getloadavg()[0]:.1f}: other work on the cores lowers both)")
     print(f"\n{'step':<32}{'MiB/step':>10}{'GFLOP/step':>12}{'bound by':>10}{'bound tok/s':>13}"

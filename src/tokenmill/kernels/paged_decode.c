@@ -125,44 +125,60 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_ta
 #ifdef HAVE_VF
 
 /* Software prefetch: the blocks lie anywhere in the cache, and a task reads only its kv head's slice
- * of each token row, which the hardware prefetcher does not follow. A task asks for the blocks
- * holding its next PREFETCH_TOKENS tokens when it starts, then at each block's start for the block
- * that many tokens ahead (into L1: near enough to stay there), and PREFETCH_TOKENS_L2 tokens ahead
- * into L2, which tracks more misses at once than L1 (simd.h prefetch_ahead: the same two levels).
- * A block (16 tokens) ahead into L1 and four into L2 ran faster than the farther 64 / 256 tokens on
- * every cache type and shape measured (in-process A/B on an AVX-512 EPYC, bf16: 1.09x at 8k tokens
- * batch 1, 1.16x at 512 tokens batch 32; not profiled: lines fetched farther ahead may be evicted
- * before their use, and fewer prefetches per step are fewer instructions). The V pass's first
- * block and the PREFETCH_TOKENS_L2 tokens after it are asked for into L2 when the task starts
- * (1.06-1.09x at 50-150 tokens batch 32, 1.02x at 8k batch 1). */
-#define PREFETCH_TOKENS 16
+ * of each token row, which the hardware prefetcher does not follow. Two levels:
+ * - into L2, whole blocks PREFETCH_TOKENS_L2 tokens ahead: the blocks after the first when the task
+ *   starts, then at each block's start the block that many tokens ahead (L2 tracks more misses at
+ *   once than L1; simd.h prefetch_ahead: the same two levels). The V pass's first blocks are asked
+ *   for when the task starts, so that a short task's V pass does not start cold;
+ * - into L1, one row at a time: the row PREFETCH_ROWS_L1 tokens ahead of each row read (a
+ *   row_cursor walks the block table that far ahead). Not a block at a time: a block's burst of
+ *   lines (32 for a bf16 row of 64) waits on L1's few miss buffers, and the reads behind it with it.
+ * ARCHITECTURE.md has the distances measured. */
+#define PREFETCH_ROWS_L1 8
 #define PREFETCH_TOKENS_L2 64
 
-static inline int64_t prefetch_distance(const decode_task *t, int l2) {   /* in blocks */
-    return ((l2 ? PREFETCH_TOKENS_L2 : PREFETCH_TOKENS) + t->block_size - 1) / t->block_size;
+static inline int64_t l2_distance(const decode_task *t) {   /* in blocks */
+    return (PREFETCH_TOKENS_L2 + t->block_size - 1) / t->block_size;
 }
 
-/* Ask for the task's rows of block `blk` (row: elements per row, elem: bytes per element) into L1, or
- * L2 with l2 (constant at every call). Always inlined: as a function of its own it has no effect the
- * compiler can see (a prefetch changes no memory), so its calls would be removed as dead code. */
+/* Ask for the task's rows of block `blk` into L2 (row: elements per row, elem: bytes per element).
+ * Always inlined: as a function of its own it has no effect the compiler can see (a prefetch
+ * changes no memory), so its calls would be removed as dead code. */
 static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
-                                         const int elem, const int l2) {
+                                         const int elem) {
     if (blk * t->block_size >= t->len) return;
     const char *block = (const char *)cache + t->table[blk] * t->block_size * t->kv_heads * row * elem;
     for (int64_t r = 0; r < t->block_size; r++)
-        for (int64_t b = 0; b < row * elem; b += 64) {
-            if (l2) _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T1);
-            else _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T0);
-        }
+        for (int64_t b = 0; b < row * elem; b += 64) _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T1);
 }
 
-/* The prefetches of a task's start: blocks blk + 1 .. blk + prefetch_distance into L1, the rest of
- * the L2 distance into L2. */
+/* The prefetches of a task's start: blocks blk + 1 .. blk + l2_distance into L2. */
 static ALWAYS_INLINE void prefetch_start(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
                                          const int elem) {
-    for (int64_t b = 1; b <= prefetch_distance(t, 0); b++) prefetch_block(cache, t, blk + b, row, elem, 0);
-    for (int64_t b = prefetch_distance(t, 0) + 1; b <= prefetch_distance(t, 1); b++)
-        prefetch_block(cache, t, blk + b, row, elem, 1);
+    for (int64_t b = 1; b <= l2_distance(t); b++) prefetch_block(cache, t, blk + b, row, elem);
+}
+
+/* A position in a task's keys as (block, slot): the row PREFETCH_ROWS_L1 tokens ahead, advanced
+ * one row per row read. */
+typedef struct {
+    int64_t blk, slot;
+} row_cursor;
+
+static ALWAYS_INLINE row_cursor cursor_at(const decode_task *t, int64_t position) {
+    return (row_cursor){position / t->block_size, position % t->block_size};
+}
+
+/* Ask for the cursor's row into L1 (none past the task's keys), then advance the cursor. */
+static ALWAYS_INLINE void prefetch_row(const void *cache, const decode_task *t, row_cursor *c, const int64_t row,
+                                       const int elem) {
+    if (c->blk * t->block_size + c->slot < t->len) {
+        const char *p = (const char *)cache + kv_offset(t, t->table[c->blk] * t->block_size + c->slot, row) * elem;
+        for (int64_t b = 0; b < row * elem; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+    if (++c->slot == t->block_size) {
+        c->slot = 0;
+        c->blk++;
+    }
 }
 
 /* The 8 horizontal sums of a[0..7], in order: a transposing tree of shuffles and adds (about 3
@@ -216,19 +232,20 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
     }
     vf kbuf[8 * 32];   /* 8 tokens' K rows */
     for (int i = 0; i < 8 * NV; i++) kbuf[i] = vf_set1(0.0f);
-    const int64_t ahead = prefetch_distance(&t, 0), ahead_l2 = prefetch_distance(&t, 1);
+    const int64_t ahead_l2 = l2_distance(&t);
     int64_t blk = t.first / bs, slot = t.first % bs;
     prefetch_start(t.k, &t, blk, row, elem);
     /* and its first V blocks into L2: at a short context the V pass would otherwise start cold */
-    for (int64_t b = 0; b <= ahead_l2; b++) prefetch_block(t.v, &t, blk + b, row, elem, 1);
+    for (int64_t b = 0; b <= ahead_l2; b++) prefetch_block(t.v, &t, blk + b, row, elem);
+    row_cursor k_ahead = cursor_at(&t, t.first + PREFETCH_ROWS_L1);
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         const int nk = n - i0 < 8 ? (int)(n - i0) : 8;
         for (int j = 0; j < nk; j++) {
+            prefetch_row(t.k, &t, &k_ahead, row, elem);
             kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk] * bs + slot, row), kbuf + j * NV);
             if (++slot == bs) {
                 slot = 0;
-                prefetch_block(t.k, &t, ++blk + ahead, row, elem, 0);
-                prefetch_block(t.k, &t, blk + ahead_l2, row, elem, 1);
+                prefetch_block(t.k, &t, ++blk + ahead_l2, row, elem);
             }
         }
         for (int64_t g = 0; g < t.group; g++) {
@@ -263,12 +280,13 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
             #pragma GCC unroll 32
             for (int c = 0; c < NV; c++) acc[j * NV + c] = vf_set1(0.0f);
         prefetch_start(t.v, &t, t.first / bs, row, elem);
+        row_cursor v_ahead = cursor_at(&t, t.first + PREFETCH_ROWS_L1);
         for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-            prefetch_block(t.v, &t, blk + ahead, row, elem, 0);
-            prefetch_block(t.v, &t, blk + ahead_l2, row, elem, 1);
+            prefetch_block(t.v, &t, blk + ahead_l2, row, elem);
             const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
                 const int64_t i = blk * bs + s - t.first;
+                prefetch_row(t.v, &t, &v_ahead, row, elem);
                 vf vr[32];
                 kv_row(CH, kv_type, t.v, kv_offset(&t, base + s, row), vr);
                 #pragma GCC unroll 24

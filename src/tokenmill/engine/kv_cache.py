@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill import memory
 from tokenmill.config import ModelConfig
 from tokenmill.engine.block_table import BlockTable
 from tokenmill.engine.request import Request
@@ -100,11 +100,7 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose pages become resident only when written (MAP_ANONYMOUS memory is
     zero-filled on first touch, and page-aligned)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)   # (the tensor keeps the mapping alive)
+    return memory.anonymous_bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:

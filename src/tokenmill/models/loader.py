@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from tokenmill import parallel
+from tokenmill import memory, parallel
 from tokenmill.checkpoint import GGUFBlocks, GGUFCheckpoint, HFCheckpoint
 from tokenmill.checkpoint.gguf import FLOAT_TYPES
 from tokenmill.config import ConfigFields, ModelConfig
@@ -99,6 +99,8 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
                         str(ckpt.path), show_progress, quantization, dtype)
         if entry is not None and weight_forms(model).keys() - {"dense"}:
             weight_cache.save(model, entry)
+        if device.type == "cpu":   # (a cache hit's tensors were read onto huge pages)
+            memory.move_weights_to_huge_pages(model)
     model.set_up(ckpt)
     model.eval()
     logger.info("weights (quantization %s%s): %s", quantization, f", read from {entry}" if cached else "",

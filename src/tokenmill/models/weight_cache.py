@@ -22,15 +22,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from tokenmill import memory
 from tokenmill.cache import cache_root
 from tokenmill.layers.linear import Embedding, Linear
 from tokenmill.layers.quant import QuantWeight
@@ -72,9 +73,8 @@ def load(model: nn.Module, entry: Path, dtype: torch.dtype) -> bool:
     """Fill `model` (built, not filled) from `entry`. False where the entry cannot be read or does
     not fit the model: the entry is then deleted, and `model` may be half changed (build it anew)."""
     try:
-        with safe_open(entry, framework="pt") as f:
-            quantized = json.loads(f.metadata()[QUANTIZED_KEY])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors, metadata = read_entry(entry)
+        quantized = json.loads(metadata[QUANTIZED_KEY])
         modules = dict(model.named_modules())
         for name, (out_features, in_features, bits, zero) in quantized.items():
             prefix = f"{name}.qweight."
@@ -95,6 +95,42 @@ def load(model: nn.Module, entry: Path, dtype: torch.dtype) -> bool:
         entry.unlink(missing_ok=True)
         return False
     return True
+
+
+# safetensors' dtype names (its format's documentation) of the tensors a model holds
+DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+          "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+          "BOOL": torch.bool}
+
+
+def read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """An entry's tensors and metadata, read into one mapping on huge pages (memory.py: a decode step
+    reads every weight). The safetensors library maps the file or copies each tensor into memory of its
+    own; this reads the format's header (8 bytes of length, then JSON: each tensor's dtype, shape and
+    byte range in the data that follows) and the data in one piece into the mapping, of which the
+    tensors are views. ValueError where the file is not a whole entry."""
+    with entry.open("rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= size - 8:
+            raise ValueError(f"header length {length} in a file of {size} bytes")
+        header = json.loads(f.read(length))
+        data = memory.anonymous_bytes(size - 8 - length, huge_pages=True)
+        view, done = memoryview(data.numpy()), 0
+        while done < len(view):   # (a read returns at most ~2 GB)
+            got = f.readinto(view[done:])
+            if not got:
+                raise ValueError(f"the file ends {len(view) - done} bytes early")
+            done += got
+    metadata = header.pop("__metadata__", {})
+    tensors = {}
+    for name, info in header.items():
+        dtype, shape, (begin, end) = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+        if not (0 <= begin <= end <= len(view) and end - begin == math.prod(shape) * dtype.itemsize
+                and begin % dtype.itemsize == 0):
+            raise ValueError(f"{name}: bytes [{begin}, {end}) for {info['dtype']} {shape}")
+        tensors[name] = data[begin:end].view(dtype).view(shape)
+    return tensors, metadata
 
 
 def save(model: nn.Module, entry: Path) -> None:

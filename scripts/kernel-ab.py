@@ -65,7 +65,7 @@ def decode_step(args: argparse.Namespace):
         for k, v in layers:
             lib.paged_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), kernels.KV_TYPES[k.dtype], tables.data_ptr(),
                              blocks, lens.data_ptr(), out.data_ptr(), args.batch, args.heads, args.kv_heads,
-                             args.head_dim, BLOCK, args.head_dim**-0.5, 0, 0.0, threads, 0)
+                             args.head_dim, BLOCK, k.stride(0), args.head_dim**-0.5, 0, 0.0, threads, 0)
         return out
     return step
 
@@ -84,7 +84,7 @@ def prefill_step(args: argparse.Namespace):
         for _ in range(args.layers):
             lib.paged_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), kernels.KV_TYPES[k.dtype], table.data_ptr(),
                               args.context, args.rows, out.data_ptr(), args.heads, args.kv_heads, args.head_dim, BLOCK,
-                              args.head_dim**-0.5, 0, 0.0, threads)
+                              k.stride(0), args.head_dim**-0.5, 0, 0.0, threads)
         return out
     return step
 

@@ -18,6 +18,7 @@ from tokenmill.engine.kv_cache import kv_bytes_per_token
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import (
     Attention,
+    AttentionMetadata,
     dequantize_kv,
     from_cache_rows,
     kv_row_width,
@@ -280,6 +281,63 @@ def test_fused_rotary_decode_equals_the_unfused_ops(dtype, generic, head_dim):
                                       generic=generic)
     assert torch.equal(fused_cache, unfused_cache)
     assert torch.equal(got, expected)
+
+
+def interleaved(cache: torch.Tensor, slots: int = 3, slot: int = 1) -> torch.Tensor:
+    """`cache` [2, blocks, ...] copied into slot `slot` of a pool laid out as the engine lays a CPU pool
+    out ([blocks, slots, 2, ...]: engine/kv_cache.py), the other slots' rows poisoned: the same values
+    whose blocks are not contiguous with each other."""
+    pool = torch.empty(cache.shape[1], slots, *cache.shape[:1], *cache.shape[2:], dtype=cache.dtype)
+    poison(pool, (slice(None),))
+    view = pool[:, slot].transpose(0, 1)
+    view.copy_(cache)
+    return view
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("generic", [False, True])
+def test_kernels_read_and_write_a_cache_whose_blocks_are_interleaved(dtype, generic):
+    """decode, fused rotary decode (its cache write too), prefill and the layer's own write give the
+    same bits on a layer's cache inside the engine's pool layout as on a contiguous one, and touch
+    nothing of the other layers'."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [5, 48, 200, 17]
+    q, cache, tables, seq_lens = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=7)
+    view = interleaved(cache)
+    assert not view.is_contiguous() and view.stride(1) == 3 * 2 * view[0, 0].numel()
+    expected = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, head_dim**-0.5, generic=generic)
+    assert torch.equal(kernels.paged_decode(q, view[0], view[1], tables, seq_lens, head_dim**-0.5, generic=generic),
+                       expected)
+
+    positions = seq_lens - 1
+    slots = tables[torch.arange(len(lens)), positions // block_size] * block_size + positions % block_size
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(3))
+    cos, sin = torch.randn(2, len(lens), head_dim, generator=torch.Generator().manual_seed(4))
+    pool = view._base
+    others = pool[:, [0, 2]].clone()
+    args = (tables, seq_lens, heads, head_dim**-0.5)
+    expected = kernels.paged_decode_rotary(qkv, cos, sin, slots, cache[0], cache[1], *args, generic=generic)
+    got = kernels.paged_decode_rotary(qkv, cos, sin, slots, view[0], view[1], *args, generic=generic)
+    assert torch.equal(got, expected) and torch.equal(view, cache)
+    assert torch.equal(pool[:, [0, 2]].view(torch.uint8), others.view(torch.uint8)), "another layer's rows changed"
+
+    if kernels.has_prefill_kernel() and not generic:
+        qp = torch.randn(17, heads, head_dim, generator=torch.Generator().manual_seed(5)).to(query_dtype(dtype))
+        assert torch.equal(kernels.paged_prefill(qp, view[0], view[1], tables[2], 200, head_dim**-0.5),
+                           kernels.paged_prefill(qp, cache[0], cache[1], tables[2], 200, head_dim**-0.5))
+
+    layer = Attention(heads, kv_heads, head_dim, head_dim**-0.5)   # the layer's write (a prefill step's)
+    k, v = torch.randn(2, 3, kv_heads, head_dim, generator=torch.Generator().manual_seed(6)).to(query_dtype(dtype))
+    written = []
+    for c in (cache.clone(), view):
+        layer.kv_cache = c
+        meta = AttentionMetadata(query_start_loc=[0, 3], seq_lens=[3], block_tables=tables[:1],
+                                 slot_mapping=slots[:1].new_tensor([4, 17, 33]), seq_lens_tensor=torch.tensor([3]),
+                                 block_size=block_size)
+        layer(torch.randn(3, heads, head_dim).to(query_dtype(dtype)), k, v, meta)
+        written.append(c.clone())
+    assert torch.equal(written[0], written[1])
+    assert torch.equal(pool[:, [0, 2]].view(torch.uint8), others.view(torch.uint8))
 
 
 WINDOWS = [None, 1, 5, 16, 17, 64, 100, 1000]   # none; smaller than, equal to and larger than the contexts

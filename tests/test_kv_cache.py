@@ -15,6 +15,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from memory_helpers import advised_huge, resident_mib
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.kv_cache import (
@@ -73,11 +74,6 @@ def test_allocate_hands_out_blocks_in_order_and_counts_refs():
     check_pool(pool)
 
 
-def resident_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_cpu_pool_is_zero_and_resident_only_where_written(dtype):
     cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -89,10 +85,23 @@ def test_a_cpu_pool_is_zero_and_resident_only_where_written(dtype):
     assert all(c.shape == (2, num_blocks, 16, 2, 64) and c.dtype == dtype for c in caches)
     for c in caches:
         c[:, :4] = 1.0    # the first 4 blocks of every layer
-    assert resident_mib() - before < 32, "unwritten blocks became resident"
+    # one 2 MB page holds them all (a mapping per layer would have made 2 MB of each layer's K and V resident)
+    assert resident_mib() - before < 6, "unwritten blocks became resident"
     for c in caches:
         assert (c[:, :4] == 1).all() and (c[:, 4:].sum() == 0)   # (summing touches them: read last)
-        assert c.data_ptr() % 4096 == 0
+
+
+def test_a_cpu_pool_lays_each_block_of_every_layer_side_by_side_on_huge_pages():
+    """[blocks, layers, K/V, block_size, kv_heads, row] in one mapping advised for 2 MB pages: a block of
+    the whole model is one stretch of memory, and the blocks handed out first share pages."""
+    caches = allocate_kv_caches(_config(None, None), 6, BS, torch.bfloat16, torch.device("cpu"))
+    block = caches[0][0, 0].numel() * caches[0].element_size()   # one layer's K (or V) of one block
+    base = caches[0].data_ptr()
+    for layer, c in enumerate(caches):
+        for b, kv in itertools.product(range(6), range(2)):
+            assert c[kv, b].data_ptr() - base == ((b * len(caches) + layer) * 2 + kv) * block
+        assert c[0, 0].is_contiguous() and advised_huge(c)
+    assert base % (2 << 20) == 0
 
 
 def test_allocate_more_than_free_raises_and_changes_nothing():

@@ -8,26 +8,13 @@ import sys
 
 import pytest
 import torch
+from memory_helpers import advised_huge
 from torch import nn
 
 from tokenmill import LLM, memory
 from tokenmill.models import weight_cache
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
-
-
-def advised_huge(t: torch.Tensor) -> bool:
-    """Whether the mapping holding t's first byte carries MADV_HUGEPAGE ("hg" in its VmFlags)."""
-    address, inside = t.data_ptr(), False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return "hg" in line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def small_model() -> nn.Module:

@@ -82,25 +82,28 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype
                        device: torch.device, num_kv_heads: int | None = None) -> list[torch.Tensor]:
     """Each layer's zeroed [2, num_blocks, block_size, kv_heads, row] tensor (layers/attention.py: a
     row is head_dim elements, or an int8 row with its scale); layers of different KV cache groups in
-    the same slot (kv_layout) get the same tensor. On the CPU each is an anonymous memory mapping:
-    the OS hands its pages out zeroed when first written, so the pool costs resident memory only for
-    the blocks requests have used (a one-shot generation touches a few blocks of a pool sized for a
-    server). Zeroed matters: the reference attention reads the unwritten tail of a request's last
-    block (masked, but 0 x NaN would still be NaN). `num_kv_heads`: a tensor-parallel rank's
-    (default: the model's)."""
-    shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, kv_row_width(cfg.head_dim, dtype))
+    the same slot (kv_layout) get the same tensor. `num_kv_heads`: a tensor-parallel rank's (default:
+    the model's). Zeroed matters: the reference attention reads the unwritten tail of a request's
+    last block (masked, but 0 x NaN would still be NaN).
+
+    On the CPU all of them are views of one anonymous memory mapping laid out block by block,
+    [num_blocks, slots, 2, block_size, kv_heads, row] (a block of the whole model's K/V is one
+    stretch), advised for 2 MB pages. The OS hands its pages out zeroed when first written, so the
+    pool costs resident memory only for the blocks requests have used (a one-shot generation touches
+    a few blocks of a pool sized for a server), and since the blocks are handed out from the first
+    (BlockPool) a 2 MB page holds blocks that are used together: with one mapping per layer, the
+    first block would have made a 2 MB page of every layer's K and V resident. The attention
+    kernels read a block's rows in 4 KB pages otherwise (ARCHITECTURE, "KV cache on huge pages")."""
+    kv_heads = num_kv_heads or cfg.num_kv_heads
+    block = (2, block_size, kv_heads, kv_row_width(cfg.head_dim, dtype))
     layout = kv_layout(cfg)
     if device.type != "cpu":
-        slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+        slots = [torch.zeros(2, num_blocks, *block[1:], dtype=dtype, device=device) for _ in range(layout.num_slots)]
     else:
-        slots = [lazy_zeros(shape, dtype) for _ in range(layout.num_slots)]
+        nbytes = num_blocks * layout.num_slots * math.prod(block) * dtype.itemsize
+        pool = memory.anonymous_bytes(nbytes, huge_pages=True).view(dtype).view(num_blocks, layout.num_slots, *block)
+        slots = [pool[:, s].transpose(0, 1) for s in range(layout.num_slots)]
     return [slots[s] for s in layout.layer_slot]
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages become resident only when written (MAP_ANONYMOUS memory is
-    zero-filled on first touch, and page-aligned)."""
-    return memory.anonymous_bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:

@@ -56,15 +56,11 @@ class LoadedKV:
         return len(self.token_ids)
 
 
-def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
-    """The KV slots of positions [start, end) of a request with this block table."""
+def slots(block_ids: list[int], block_size: int, start: int, end: int) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """The index of positions [start, end) of a request with this block table in a layer's
+    [2, blocks, block_size, heads, dim] cache: (K and V, their blocks, their offsets in them)."""
     positions = torch.arange(start, end)
-    return torch.tensor(block_ids, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
-
-
-def flat(cache: torch.Tensor) -> torch.Tensor:
-    """A layer's [2, blocks, block_size, heads, dim] pool as [2, slots, heads, dim]."""
-    return cache.view(2, -1, *cache.shape[3:])
+    return slice(None), torch.tensor(block_ids, dtype=torch.long)[positions // block_size], positions % block_size
 
 
 def transfer_path(name: str) -> Path:
@@ -95,7 +91,7 @@ class KVExporter:
         now = time.monotonic()
         while self.exported and self.exported[0][0] < now - EXPORT_TTL_S:
             self.exported.popleft()[1].unlink(missing_ok=True)
-        kv = torch.stack([flat(cache)[:, slots(table.block_ids, block_size, 0, len(token_ids))]
+        kv = torch.stack([cache[slots(table.block_ids, block_size, 0, len(token_ids))]
                           for cache, table in zip(caches, tables, strict=True)])
         for layer, table in enumerate(tables):
             kv[layer, :, :table.num_released * block_size] = 0
@@ -155,4 +151,4 @@ def write_kv(caches: list[torch.Tensor], tables: list[BlockTable], block_size: i
     before a sliding layer's window left out (it holds no blocks there)."""
     for layer, (cache, table) in enumerate(zip(caches, tables, strict=True)):
         first = max(start, table.num_released * block_size)
-        flat(cache)[:, slots(table.block_ids, block_size, first, end)] = loaded.kv[layer, :, first:end]
+        cache[slots(table.block_ids, block_size, first, end)] = loaded.kv[layer, :, first:end]

@@ -126,13 +126,13 @@ def declare(lib: ctypes.CDLL) -> None:
     scripts/kernel-ab.py)."""
     i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     options = [f32, i64, f32]  # scale, sliding window, logit softcap
-    args = [ptr] * 3 + [i32, ptr, i64, ptr, ptr] + [i64] * 5 + options + [i32, i32]   # q, k, v, kv_type, ...
+    args = [ptr] * 3 + [i32, ptr, i64, ptr, ptr] + [i64] * 6 + options + [i32, i32]   # q, k, v, kv_type, ...
     lib.paged_decode.argtypes = args
     lib.paged_decode.restype = i32
     # qkv, cos, sin, slots, k, v, kv_type, ... softcap, q_norm, k_norm, qk_norm_eps, num_threads, generic
     lib.paged_decode_rotary.argtypes = [ptr] * 6 + args[3:-2] + [ptr, ptr, f32] + args[-2:]
     lib.paged_decode_rotary.restype = i32
-    lib.paged_prefill.argtypes = [ptr, ptr, ptr, i32, ptr, i64, i64, ptr] + [i64] * 4 + options + [i32]
+    lib.paged_prefill.argtypes = [ptr, ptr, ptr, i32, ptr, i64, i64, ptr] + [i64] * 5 + options + [i32]
     lib.paged_prefill.restype = i32
     lib.paged_prefill_available.restype = i32
     lib.paged_prefill_bf16_dots.restype = i32
@@ -171,6 +171,16 @@ def supports_paged_decode(cache: torch.Tensor) -> bool:
     return cache.device.type == "cpu" and cache.dtype in KV_TYPES and load() is not None
 
 
+def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, kv_heads, block_stride) of a layer's K and V caches [blocks, block_size, kv_heads,
+    row]: each block's rows contiguous, the blocks `block_stride` elements apart (engine/kv_cache.py
+    interleaves the layers' blocks), the same for K and V."""
+    _, block_size, kv_heads, row = k_cache.shape
+    assert k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride()[1:] == (kv_heads * row, row, 1), f"cache rows not contiguous: {k_cache.stride()}"
+    return block_size, kv_heads, k_cache.stride(0)
+
+
 def _options(scale: float, sliding_window: int | None, logit_softcap: float | None) -> tuple[float, int, float]:
     """The attention kernels' (scale, window, softcap) arguments: 0 turns an option off."""
     if sliding_window is not None and sliding_window < 1:
@@ -193,14 +203,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     q = q.float().contiguous()
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    block_size, kv_heads, block_stride = cache_geometry(k_cache, v_cache)
     out = torch.empty_like(q)
     failed = lib.paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
-        *_options(scale, sliding_window, logit_softcap), torch.get_num_threads(), int(generic))
+        block_stride, *_options(scale, sliding_window, logit_softcap), torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory for the score buffer")
     return out
@@ -218,9 +227,9 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     paged_decode); returns fp32 [B, heads * head_dim]: the same bits as the unfused ops (rms_norm,
     apply_rotary, the cache write, paged_decode). Caller checks supports_paged_decode."""
     lib = load()
-    _, block_size, kv_heads, _ = k_cache.shape
+    block_size, kv_heads, block_stride = cache_geometry(k_cache, v_cache)
     head_dim = cos.shape[-1]
-    assert head_dim <= MAX_ROTARY_HEAD_DIM and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert head_dim <= MAX_ROTARY_HEAD_DIM
     qkv, cos, sin = (t.float().contiguous() for t in (qkv, cos, sin))
     q_norm, k_norm, eps = (None, None, 0.0) if qk_norm is None else (
         qk_norm[0].float().contiguous(), qk_norm[1].float().contiguous(), qk_norm[2])
@@ -229,8 +238,8 @@ def paged_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     failed = lib.paged_decode_rotary(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         KV_TYPES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
-        batch, heads, kv_heads, head_dim, block_size, *_options(scale, sliding_window, logit_softcap), pointer(q_norm),
-        pointer(k_norm), eps, torch.get_num_threads(), int(generic))
+        batch, heads, kv_heads, head_dim, block_size, block_stride, *_options(scale, sliding_window, logit_softcap),
+        pointer(q_norm), pointer(k_norm), eps, torch.get_num_threads(), int(generic))
     if failed:
         raise MemoryError("paged decode attention: out of memory")
     return out
@@ -276,11 +285,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q = q.float().contiguous()
     block_table = block_table.contiguous()
     num_q, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    block_size, kv_heads, block_stride = cache_geometry(k_cache, v_cache)
     out = torch.empty_like(q)
     status = lib.paged_prefill(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], block_table.data_ptr(),
-        seq_len, num_q, out.data_ptr(), heads, kv_heads, head_dim, block_size,
+        seq_len, num_q, out.data_ptr(), heads, kv_heads, head_dim, block_size, block_stride,
         *_options(scale, sliding_window, logit_softcap), torch.get_num_threads())
     if status == 1:
         raise MemoryError("paged prefill attention: out of memory")
@@ -397,7 +406,8 @@ class AttentionPlan(ctypes.Structure):
                 ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_type", ctypes.c_int64),
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-                ("block_size", ctypes.c_int64), ("sliding_window", ctypes.c_int64), ("logit_softcap", ctypes.c_float),
+                ("block_size", ctypes.c_int64), ("block_stride", ctypes.c_int64), ("sliding_window", ctypes.c_int64),
+                ("logit_softcap", ctypes.c_float),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_norm_eps", ctypes.c_float),
                 ("kv_group", ctypes.c_int64)]
 

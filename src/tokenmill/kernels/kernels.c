@@ -71,8 +71,9 @@ static void attention_block(const stack_step *st, const tm_layer_plan *layer) {
     paged_decode_rotary_team(st->qkv, layer->rope_local ? st->cos_local : st->cos,
                              layer->rope_local ? st->sin_local : st->sin, g->slots, a->k_cache, a->v_cache,
                              (int)a->kv_type, g->block_tables, g->max_blocks, st->seq_lens, st->attn, batch, a->heads,
-                             a->kv_heads, a->head_dim, a->block_size, a->scale, a->sliding_window, a->logit_softcap,
-                             a->q_norm, a->k_norm, a->qk_norm_eps, st->num_threads, 0, &st->dec, st->failed);
+                             a->kv_heads, a->head_dim, a->block_size, a->block_stride, a->scale, a->sliding_window,
+                             a->logit_softcap, a->q_norm, a->k_norm, a->qk_norm_eps, st->num_threads, 0, &st->dec,
+                             st->failed);
     block_output(st, &a->o, st->attn, TM_GATE_NONE, layer->attn_out_norm, layer->attn_out_norm_eps);
 }
 

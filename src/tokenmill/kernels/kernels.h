@@ -51,9 +51,9 @@ typedef struct {
     const float *norm;          /* the input RMSNorm's weight [hidden] */
     float norm_eps;
     float scale;                /* softmax scale of the scores */
-    void *k_cache, *v_cache;    /* [num_blocks, block_size, kv_heads, row] (TM_KV_* rows) */
+    void *k_cache, *v_cache;    /* [num_blocks, block_size, kv_heads, row] (TM_KV_* rows), blocks block_stride apart */
     int64_t kv_type;            /* the cache's TM_KV_* type */
-    int64_t heads, kv_heads, head_dim, block_size;
+    int64_t heads, kv_heads, head_dim, block_size, block_stride;
     int64_t sliding_window;     /* w: the query at p sees keys p - w < k <= p; 0: all keys */
     float logit_softcap;        /* c: scores -> c tanh(scores / c) after the scale; 0: none */
     const float *q_norm, *k_norm;   /* per-head RMSNorm weights [head_dim] before the rotation, or NULL */
@@ -226,21 +226,22 @@ int32_t shm_all_reduce(const tm_shm *shm, void *x, int64_t n, int32_t bf16);
 int64_t shm_header_bytes(void);
 
 /* Decode attention, one query row per request (paged_decode.c): q/out [batch, heads, head_dim] fp32,
- * k/v [num_blocks, block_size, kv_heads, row] (rows of the TM_KV_* kv_type), block_tables
- * [batch, max_blocks], seq_lens [batch]. window: sliding window (0: none); softcap: logit softcap
+ * k/v [num_blocks, block_size, kv_heads, row] (rows of the TM_KV_* kv_type; block b starts at element
+ * b * block_stride, the rest contiguous), block_tables [batch, max_blocks], seq_lens [batch]. window: sliding window (0: none); softcap: logit softcap
  * (0: none); generic: force the portable C path. Return 1 if out of memory, 2 for an unknown kv_type. */
 int paged_decode(const float *q, const void *k, const void *v, int kv_type, const int64_t *block_tables,
                  int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
-                 int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                 int num_threads, int generic);
+                 int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
+                 int64_t window, float softcap, int num_threads, int generic);
 /* The same from the fused projection qkv [batch, (heads + 2 kv_heads) head_dim]: q/k RMSNorms per
  * head (q_norm / k_norm weights [head_dim], or NULL), rotary (cos/sin [batch, head_dim]), K/V written
  * to slots [batch] (an int8 cache quantizes each row), then attention; out [batch, heads * head_dim]. */
 int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                         void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
                         const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                        const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic);
+                        int64_t head_dim, int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                        float softcap, const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads,
+                        int generic);
 /* A decode step's scratch for a team (paged_decode.c): the rotated queries [batch][heads][head_dim],
  * each request's runs and keys per run [2 batch + 1] (flash-decoding's split), and the runs'
  * partial outputs and softmax stats, for up to `heads` x head_dim per request. */
@@ -257,14 +258,14 @@ void decode_scratch_free(tm_decode_scratch *s);
 void paged_decode_rotary_team(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                               void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
                               const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                              int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                              const float *q_norm, const float *k_norm, float norm_eps, int num_threads, int generic,
-                              const tm_decode_scratch *sc, int *failed);
+                              int64_t head_dim, int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                              float softcap, const float *q_norm, const float *k_norm, float norm_eps, int num_threads,
+                              int generic, const tm_decode_scratch *sc, int *failed);
 /* Causal prefill attention of one request's last num_q positions (paged_prefill.c, AVX-512 and AVX2
  * builds): q/out [num_q, heads, head_dim], table its block table. Returns -1 where it does not apply. */
 int paged_prefill(const float *q, const void *k, const void *v, int kv_type, const int64_t *table, int64_t seq_len,
                   int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                  float scale, int64_t window, float softcap, int num_threads);
+                  int64_t block_stride, float scale, int64_t window, float softcap, int num_threads);
 /* 1 where this build has paged_prefill (AVX-512 or AVX2), else 0. */
 int paged_prefill_available(void);
 /* 1 where its dot products on a bfloat16 cache are bfloat16 ones (AVX512-BF16), else 0. */

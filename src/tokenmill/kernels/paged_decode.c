@@ -14,9 +14,11 @@
  * or AVX2; head_dim a multiple of 16: 16 or 8 dims per instruction, a vectorized exp, the V sums in
  * registers) and portable C loops (everything else, and the tests' reference; `generic` forces it).
  *
- * Layouts (row-major, contiguous):
+ * Layouts (row-major, contiguous but for the blocks):
  *   q, out        [batch, heads, head_dim] fp32
- *   k, v          [num_blocks, block_size, kv_heads, row] (one layer's cache; attention.h kv_row_elems)
+ *   k, v          [num_blocks, block_size, kv_heads, row] (one layer's cache; attention.h kv_row_elems),
+ *                 block b at b * block_stride elements (engine/kv_cache.py lays the blocks of every
+ *                 layer side by side, so one block of the model's K/V is one stretch of memory)
  *   block_tables  [batch, max_blocks] int64;  seq_lens [batch] int64
  */
 #include <stdlib.h>
@@ -32,7 +34,7 @@ typedef struct {
     const void *k, *v;
     const int64_t *block_tables, *seq_lens;
     float *out;
-    int64_t max_blocks, batch, heads, kv_heads, head_dim, block_size, window;
+    int64_t max_blocks, batch, heads, kv_heads, head_dim, block_size, block_stride, window;
     float scale, softcap;
 } decode_step;
 
@@ -47,7 +49,7 @@ typedef struct {
     const void *k, *v;
     const int64_t *table;    /* the request's block table */
     float *stats;            /* a split's softmax max and sum per query head [group][2], or NULL */
-    int64_t first, len, group, kv_heads, kh, head_dim, block_size;
+    int64_t first, len, group, kv_heads, kh, head_dim, block_size, block_stride;
     float scale, softcap;
 } decode_task;
 
@@ -59,7 +61,7 @@ static inline decode_task task_of(const decode_step *a, int64_t b, int64_t kh) {
         .k = a->k, .v = a->v, .table = a->block_tables + b * a->max_blocks, .stats = NULL,
         .first = a->window > 0 && len > a->window ? len - a->window : 0, .len = len, .group = group,
         .kv_heads = a->kv_heads, .kh = kh, .head_dim = a->head_dim, .block_size = a->block_size,
-        .scale = a->scale, .softcap = a->softcap};
+        .block_stride = a->block_stride, .scale = a->scale, .softcap = a->softcap};
 }
 
 static inline int64_t slot_begin(const decode_task *t, int64_t blk) {
@@ -72,10 +74,11 @@ static inline int64_t slot_end(const decode_task *t, int64_t blk) {
     return s < t->block_size ? s : t->block_size;
 }
 
-/* Where the task's kv head's row of cache slot `slot` starts in a K or V cache (in elements; `row`:
- * elements per row, an argument so that the AVX-512 tasks pass their compile-time constant). */
-static ALWAYS_INLINE int64_t kv_offset(const decode_task *t, int64_t slot, int64_t row) {
-    return (slot * t->kv_heads + t->kh) * row;
+/* Where the task's kv head's row of slot s of cache block `block` starts in a K or V cache (in
+ * elements; `row`: elements per row, an argument so that the AVX-512 tasks pass their compile-time
+ * constant). */
+static ALWAYS_INLINE int64_t kv_offset(const decode_task *t, int64_t block, int64_t s, int64_t row) {
+    return block * t->block_stride + (s * t->kv_heads + t->kh) * row;
 }
 
 /* ---- portable C ---- */
@@ -85,9 +88,9 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_ta
     const int64_t n = t.len - t.first, head_dim = t.head_dim, bs = t.block_size;
     const int64_t width = kv_row_elems(head_dim, kv_type);
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-        const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
+        const int64_t block = t.table[blk], end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, width);
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, block, s, width);
             for (int64_t g = 0; g < t.group; g++) {
                 const float *qg = t.q + g * head_dim;
                 float acc = 0.0f;
@@ -108,9 +111,9 @@ static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_ta
         memset(t.out + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
     }
     for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
-        const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
+        const int64_t block = t.table[blk], end = slot_end(&t, blk);
         for (int64_t s = slot_begin(&t, blk); s < end; s++) {
-            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, base + s, width);
+            const int64_t i = blk * bs + s - t.first, row = kv_offset(&t, block, s, width);
             for (int64_t g = 0; g < t.group; g++) {
                 const float p = scores[g * n + i];
                 float *og = t.out + g * head_dim;
@@ -147,9 +150,10 @@ static inline int64_t l2_distance(const decode_task *t) {   /* in blocks */
 static ALWAYS_INLINE void prefetch_block(const void *cache, const decode_task *t, int64_t blk, const int64_t row,
                                          const int elem) {
     if (blk * t->block_size >= t->len) return;
-    const char *block = (const char *)cache + t->table[blk] * t->block_size * t->kv_heads * row * elem;
-    for (int64_t r = 0; r < t->block_size; r++)
-        for (int64_t b = 0; b < row * elem; b += 64) _mm_prefetch(block + kv_offset(t, r, row) * elem + b, _MM_HINT_T1);
+    for (int64_t r = 0; r < t->block_size; r++) {
+        const char *p = (const char *)cache + kv_offset(t, t->table[blk], r, row) * elem;
+        for (int64_t b = 0; b < row * elem; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
 }
 
 /* The prefetches of a task's start: blocks blk + 1 .. blk + l2_distance into L2. */
@@ -172,7 +176,7 @@ static ALWAYS_INLINE row_cursor cursor_at(const decode_task *t, int64_t position
 static ALWAYS_INLINE void prefetch_row(const void *cache, const decode_task *t, row_cursor *c, const int64_t row,
                                        const int elem) {
     if (c->blk * t->block_size + c->slot < t->len) {
-        const char *p = (const char *)cache + kv_offset(t, t->table[c->blk] * t->block_size + c->slot, row) * elem;
+        const char *p = (const char *)cache + kv_offset(t, t->table[c->blk], c->slot, row) * elem;
         for (int64_t b = 0; b < row * elem; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
     if (++c->slot == t->block_size) {
@@ -242,7 +246,7 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
         const int nk = n - i0 < 8 ? (int)(n - i0) : 8;
         for (int j = 0; j < nk; j++) {
             prefetch_row(t.k, &t, &k_ahead, row, elem);
-            kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk] * bs + slot, row), kbuf + j * NV);
+            kv_row(CH, kv_type, t.k, kv_offset(&t, t.table[blk], slot, row), kbuf + j * NV);
             if (++slot == bs) {
                 slot = 0;
                 prefetch_block(t.k, &t, ++blk + ahead_l2, row, elem);
@@ -283,12 +287,12 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
         row_cursor v_ahead = cursor_at(&t, t.first + PREFETCH_ROWS_L1);
         for (int64_t blk = t.first / bs; blk * bs < t.len; blk++) {
             prefetch_block(t.v, &t, blk + ahead_l2, row, elem);
-            const int64_t base = t.table[blk] * bs, end = slot_end(&t, blk);
+            const int64_t block = t.table[blk], end = slot_end(&t, blk);
             for (int64_t s = slot_begin(&t, blk); s < end; s++) {
                 const int64_t i = blk * bs + s - t.first;
                 prefetch_row(t.v, &t, &v_ahead, row, elem);
                 vf vr[32];
-                kv_row(CH, kv_type, t.v, kv_offset(&t, base + s, row), vr);
+                kv_row(CH, kv_type, t.v, kv_offset(&t, block, s, row), vr);
                 #pragma GCC unroll 24
                 for (int j = 0; j < HB; j++) {
                     if (j < heads) {
@@ -499,11 +503,11 @@ static int valid_kv_type(int kv_type) {
 
 int paged_decode(const float *q, const void *k, const void *v, int kv_type, const int64_t *block_tables,
                  int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
-                 int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                 int num_threads, int generic) {
+                 int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
+                 int64_t window, float softcap, int num_threads, int generic) {
     if (!valid_kv_type(kv_type)) return 2;
     const decode_step a = {q, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
-                           block_size, window, scale, softcap};
+                           block_size, block_stride, window, scale, softcap};
     tm_decode_scratch sc;
     if (decode_scratch_alloc(&sc, batch, heads, kv_heads, head_dim, num_threads)) return 1;
     int failed = 0;
@@ -543,9 +547,9 @@ static void norm_rotate(const float *x, const float *w, float eps, const float *
 void paged_decode_rotary_team(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                               void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
                               const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                              int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                              const float *q_norm, const float *k_norm, float norm_eps, int num_threads, int generic,
-                              const tm_decode_scratch *sc, int *failed) {
+                              int64_t head_dim, int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                              float softcap, const float *q_norm, const float *k_norm, float norm_eps, int num_threads,
+                              int generic, const tm_decode_scratch *sc, int *failed) {
     const int64_t kv_row = kv_row_elems(head_dim, kv_type);
     const int64_t width = (heads + 2 * kv_heads) * head_dim;
     float *q = sc->q;
@@ -557,29 +561,31 @@ void paged_decode_rotary_team(const float *qkv, const float *cos, const float *s
             norm_rotate(row + h * head_dim, q_norm, norm_eps, c, s, head_dim, scratch, q + (b * heads + h) * head_dim,
                         generic);
         for (int64_t kh = 0; kh < kv_heads; kh++) {
-            const int64_t dst = (slots[b] * kv_heads + kh) * kv_row;
+            const int64_t dst = slots[b] / block_size * block_stride + (slots[b] % block_size * kv_heads + kh) * kv_row;
             norm_rotate(row + (heads + kh) * head_dim, k_norm, norm_eps, c, s, head_dim, scratch, rotated, generic);
             kv_store_row(k, dst, rotated, head_dim, kv_type);
             kv_store_row(v, dst, row + (heads + kv_heads + kh) * head_dim, head_dim, kv_type);
         }
     }
     const decode_step a = {q, k, v, block_tables, seq_lens, out, max_blocks, batch, heads, kv_heads, head_dim,
-                           block_size, window, scale, softcap};
+                           block_size, block_stride, window, scale, softcap};
     decode_team(&a, kv_type, generic, num_threads, sc, failed);
 }
 
 int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k,
                         void *v, int kv_type, const int64_t *block_tables, int64_t max_blocks,
                         const int64_t *seq_lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap,
-                        const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads, int generic) {
+                        int64_t head_dim, int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                        float softcap, const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads,
+                        int generic) {
     if (!valid_kv_type(kv_type)) return 2;
     tm_decode_scratch sc;
     if (decode_scratch_alloc(&sc, batch, heads, kv_heads, head_dim, num_threads)) return 1;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     paged_decode_rotary_team(qkv, cos, sin, slots, k, v, kv_type, block_tables, max_blocks, seq_lens, out, batch,
-                             heads, kv_heads, head_dim, block_size, scale, window, softcap, q_norm, k_norm, qk_norm_eps,
+                             heads, kv_heads, head_dim, block_size, block_stride, scale, window, softcap, q_norm, k_norm,
+                             qk_norm_eps,
                              num_threads, generic, &sc, &failed);
     decode_scratch_free(&sc);
     return failed;

@@ -331,7 +331,7 @@ static inline void gather_key_bf16(const uint16_t *k, const uint16_t *v, int64_t
 
 static int prefill(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                    int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int64_t window, float softcap, int kv_type, int num_threads) {
+                   int64_t block_stride, float scale, int64_t window, float softcap, int kv_type, int num_threads) {
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_CHUNKS || num_q > seq_len) return -1;
 #ifdef HAVE_BF16
     const int bf16 = kv_type == TM_KV_BF16;
@@ -358,8 +358,8 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
             for (int64_t i = 0; i < keys; i++) {   /* key position key0 + i */
                 const int64_t pos = g.key0 + i;
                 const int64_t row = pos >= first_seen && pos < seq_len
-                                    ? ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + kh)
-                                      * kv_row_elems(head_dim, kv_type)
+                                    ? table[pos / block_size] * block_stride
+                                      + (pos % block_size * kv_heads + kh) * kv_row_elems(head_dim, kv_type)
                                     : -1;
                 const int64_t tile0 = (kh * keys + i / KT * KT) * head_dim;   /* the tile's first element */
                 if (bf16) {
@@ -407,19 +407,19 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
 #else
 static int prefill(const float *q, const void *k, const void *v, const int64_t *table, int64_t seq_len,
                    int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int64_t window, float softcap, int kv_type, int num_threads) {
+                   int64_t block_stride, float scale, int64_t window, float softcap, int kv_type, int num_threads) {
     (void)q; (void)k; (void)v; (void)table; (void)seq_len; (void)num_q; (void)out; (void)heads; (void)kv_heads;
-    (void)head_dim; (void)block_size; (void)scale; (void)window; (void)softcap; (void)kv_type; (void)num_threads;
+    (void)head_dim; (void)block_size; (void)block_stride; (void)scale; (void)window; (void)softcap; (void)kv_type; (void)num_threads;
     return -1;
 }
 #endif
 
 int paged_prefill(const float *q, const void *k, const void *v, int kv_type, const int64_t *table, int64_t seq_len,
                   int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                  float scale, int64_t window, float softcap, int num_threads) {
+                  int64_t block_stride, float scale, int64_t window, float softcap, int num_threads) {
     if (kv_type != TM_KV_F32 && kv_type != TM_KV_BF16 && kv_type != TM_KV_I8) return -1;
-    return prefill(q, k, v, table, seq_len, num_q, out, heads, kv_heads, head_dim, block_size, scale, window,
-                   softcap, kv_type, num_threads);
+    return prefill(q, k, v, table, seq_len, num_q, out, heads, kv_heads, head_dim, block_size, block_stride, scale,
+                   window, softcap, kv_type, num_threads);
 }
 
 int paged_prefill_available(void) {

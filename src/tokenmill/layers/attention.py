@@ -11,7 +11,9 @@ The packed batch (B requests, T tokens; here B = 3, T = 7, block_size = 4):
 
 Each layer's cache is one tensor [2 (K, V), num_blocks, block_size, kv_heads, row] (shared with the
 layers in the same slot of the model's other KV cache groups, which read their own block tables and
-slots: AttentionMetadata.group, engine/kv_cache.py). A layer
+slots: AttentionMetadata.group, engine/kv_cache.py), each block's rows contiguous; on the CPU the
+blocks of all layers lie side by side (engine/kv_cache.py allocate_kv_caches), so a layer's blocks
+are not contiguous with each other and a slot is addressed as (block, offset). A layer
 first writes the new K/V of every row to its slot, then each request's queries attend over the
 first seq_lens[b] slots of its own blocks (causally: query at position p sees keys 0..p).
 
@@ -158,9 +160,10 @@ class Attention(KernelOp):
         assert self.kv_cache is not None, "KV cache not bound: call bind_kv_caches() first"
         meta = meta.group(self.kv_group)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        # (slot = block * block_size + offset, indexed as such: the blocks need not be contiguous)
+        at = meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1]
         for cache, new in ((k_cache, k), (v_cache, v)):
-            flat = cache.view(-1, self.num_kv_heads, cache.shape[-1])
-            flat.index_copy_(0, meta.slot_mapping, to_cache_rows(new, cache.dtype))
+            cache[at] = to_cache_rows(new, cache.dtype)
         if meta.is_decode_only:
             out = self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor)
         else:

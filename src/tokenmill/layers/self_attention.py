@@ -75,11 +75,12 @@ class RotaryAttention(nn.Module):
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias.float().contiguous()   # (a bf16 model's)
         qk_norm = self._qk_norm()
         tensors = [norm_weight] + ([] if bias is None else [bias]) + ([] if qk_norm is None else list(qk_norm[:2]))
+        block_size, _, block_stride = kernels.cache_geometry(cache[0], cache[1])
         return kernels.AttentionPlan(
             qkv=qkv, o=o, qkv_bias=kernels.pointer(bias),
             norm=norm_weight.data_ptr(), norm_eps=norm.eps, scale=self.attn.scale, k_cache=cache[0].data_ptr(),
             v_cache=cache[1].data_ptr(), kv_type=kernels.KV_TYPES[cache.dtype], heads=self.num_heads,
-            kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache.shape[2],
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size, block_stride=block_stride,
             sliding_window=self.attn.sliding_window or 0, logit_softcap=self.attn.logit_softcap or 0.0,
             q_norm=kernels.pointer(None if qk_norm is None else qk_norm[0]),
             k_norm=kernels.pointer(None if qk_norm is None else qk_norm[1]),

@@ -1,5 +1,5 @@
 """Host memory the CPU path lays out itself: anonymous mappings (zero-filled by the OS when first
-written) and the model's weights moved into one mapping on 2 MB pages.
+written: the KV pool, engine/kv_cache.py) and the model's weights moved into one mapping on 2 MB pages.
 
 A decode step reads every weight once, spread over hundreds of tensors: on 4 KB pages that is a
 TLB miss every 4 KB. On transparent huge pages (`MADV_HUGEPAGE`: Linux gives them where its setting is

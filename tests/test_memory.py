@@ -49,11 +49,16 @@ def test_moving_keeps_values_strides_and_aliases():
 
 @linux_only
 def test_moved_tensors_are_on_a_mapping_advised_for_huge_pages():
+    # (the check itself tells the two apart; a malloc'd tensor is no control: in a long test session
+    # one was once found inside a mapping advised for huge pages)
+    assert advised_huge(memory.anonymous_bytes(4096, huge_pages=True))
+    assert not advised_huge(memory.anonymous_bytes(4096))
     m = small_model()
-    assert not advised_huge(m.proj.weight)
-    memory.move_weights_to_huge_pages(m)
+    total = memory.move_weights_to_huge_pages(m)
     assert all(advised_huge(t) for t in (*m.parameters(), *m.buffers()))
-    assert min(t.data_ptr() for t in m.parameters()) % memory.HUGE_PAGE == 0   # (the first moved starts it)
+    first = min(t.data_ptr() for t in (*m.parameters(), *m.buffers()))
+    assert first % memory.HUGE_PAGE == 0   # (where the mapping's aligned part starts)
+    assert all(first <= t.data_ptr() < first + total for t in (*m.parameters(), *m.buffers()))   # one mapping
 
 
 @linux_only

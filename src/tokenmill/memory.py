@@ -50,14 +50,15 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     if total == 0:
         return 0
     arena = anonymous_bytes(total, huge_pages=True)
-    base, at, freed = arena.untyped_storage(), arena.storage_offset(), 0
+    at, freed = 0, 0   # (bytes into the arena; bytes freed since the last trim)
     for key in list(groups):
         views = groups.pop(key)
         old = torch.empty(0, dtype=torch.uint8).set_(views[0].untyped_storage())
-        arena[at - arena.storage_offset():][:old.numel()].copy_(old)
+        arena[at:at + old.numel()].copy_(old)
+        start = arena.storage_offset() + at   # (in the mapping's storage, which the views index)
         for t in views:
-            t.data = torch.empty(0, dtype=t.dtype).set_(base, at // t.element_size() + t.storage_offset(),
-                                                        t.shape, t.stride())
+            t.data = torch.empty(0, dtype=t.dtype).set_(arena.untyped_storage(), start // t.element_size()
+                                                        + t.storage_offset(), t.shape, t.stride())
         at, freed = at + sizes[key], freed + old.numel()
         del views, old
         if freed >= TRIM_EVERY:   # (or the old copies would pile up in the allocator while the new fill in)

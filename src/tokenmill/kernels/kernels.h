@@ -227,8 +227,9 @@ int64_t shm_header_bytes(void);
 
 /* Decode attention, one query row per request (paged_decode.c): q/out [batch, heads, head_dim] fp32,
  * k/v [num_blocks, block_size, kv_heads, row] (rows of the TM_KV_* kv_type; block b starts at element
- * b * block_stride, the rest contiguous), block_tables [batch, max_blocks], seq_lens [batch]. window: sliding window (0: none); softcap: logit softcap
- * (0: none); generic: force the portable C path. Return 1 if out of memory, 2 for an unknown kv_type. */
+ * b * block_stride, the rest contiguous), block_tables [batch, max_blocks], seq_lens [batch].
+ * window: sliding window (0: none); softcap: logit softcap (0: none); generic: force the portable C
+ * path. Return 1 if out of memory, 2 for an unknown kv_type. */
 int paged_decode(const float *q, const void *k, const void *v, int kv_type, const int64_t *block_tables,
                  int64_t max_blocks, const int64_t *seq_lens, float *out, int64_t batch, int64_t heads,
                  int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,

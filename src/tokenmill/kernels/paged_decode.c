@@ -584,8 +584,8 @@ int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, co
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     paged_decode_rotary_team(qkv, cos, sin, slots, k, v, kv_type, block_tables, max_blocks, seq_lens, out, batch,
-                             heads, kv_heads, head_dim, block_size, block_stride, scale, window, softcap, q_norm, k_norm,
-                             qk_norm_eps,
+                             heads, kv_heads, head_dim, block_size, block_stride, scale, window, softcap, q_norm,
+                             k_norm, qk_norm_eps,
                              num_threads, generic, &sc, &failed);
     decode_scratch_free(&sc);
     return failed;

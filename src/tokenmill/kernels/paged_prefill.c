@@ -409,7 +409,8 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
                    int64_t num_q, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                    int64_t block_stride, float scale, int64_t window, float softcap, int kv_type, int num_threads) {
     (void)q; (void)k; (void)v; (void)table; (void)seq_len; (void)num_q; (void)out; (void)heads; (void)kv_heads;
-    (void)head_dim; (void)block_size; (void)block_stride; (void)scale; (void)window; (void)softcap; (void)kv_type; (void)num_threads;
+    (void)head_dim; (void)block_size; (void)block_stride; (void)scale; (void)window; (void)softcap; (void)kv_type;
+    (void)num_threads;
     return -1;
 }
 #endif

@@ -26,7 +26,7 @@ from tokenmill.layers.attention import (
     to_cache_rows,
 )
 from tokenmill.layers.op import set_backend
-from tokenmill.layers.quant import kernel_available
+from tokenmill.layers.quant import QuantWeight, kernel_available
 from tokenmill.models.loader import weight_forms
 
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]   # cache dtypes; int8: rows with a scale each
@@ -599,6 +599,27 @@ def test_decode_stack_equals_the_layer_loop(tiny_gguf_model, kind, ftype, kv_cac
         if use_stack:
             assert len(model._plan.layers) == len(model.layers)
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize(("kind", "ftype"), [("llama", "Q4_1"), ("mixtral", "Q8_0")])
+def test_int8_activations_reach_every_kernel_of_both_paths(tiny_gguf_model, kind, ftype):
+    """activation_precision="int8": every quantized weight of the model (experts and LM head too) is
+    planned with int8 activations, the decode stack gives the layer loop's logprobs bit for bit, and
+    the logprobs differ from the default's (the setting is not ignored on either path)."""
+    path = str(tiny_gguf_model(kind, ftype))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 5, 9, 2], list(range(3, 40))]
+    results = {}
+    for precision, use_stack in (("int8", True), ("int8", False), ("int16", True)):
+        llm = LLM(path, num_kv_blocks=64, block_size=4, activation_precision=precision)
+        weights = [m for m in llm.engine.model.modules() if isinstance(m, QuantWeight)]
+        assert weights and all(w.plan().int8_activations == (precision == "int8") for w in weights)
+        model = llm.engine.model.model
+        model.use_decode_stack = use_stack
+        results[precision, use_stack] = tokens_and_logprobs(llm, prompts, params)
+        assert isinstance(model._plan, kernels.StackPlan) == use_stack
+    assert results["int8", True] == results["int8", False]
+    assert results["int8", True] != results["int16", True]
 
 
 @pytest.mark.parametrize(("window", "softcap", "kv_cache_dtype"),

@@ -97,9 +97,10 @@ def random_block_quant(rows: int, cols: int, bits: int, seed: int = 0) -> BlockQ
     return BlockQuant(u, d, -d * 2 ** (bits - 1) * torch.rand(rows, cols // 32, generator=g), bits)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, one_plane: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation split, x ~ dx (254 hi + lo) per group of 32, computed in float32 as the
-    kernel does: (254 hi + lo as float64, dx, the group sums of the quantized activations)."""
+    kernel does: (254 hi + lo as float64, dx, the group sums of the quantized activations). `one_plane`:
+    int8 activations, lo = 0."""
     g = x.float().view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
     step = amax / 127
@@ -108,6 +109,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     inv_fine = torch.where(amax > 0, 1 / fine, torch.zeros_like(amax))
     hi = torch.round(g * inv)
     lo = torch.round((g - hi * step) * inv_fine).clamp(-127, 127)
+    if one_plane:
+        lo = torch.zeros_like(lo)
     qx = (254 * hi + lo).double()
     return qx, fine.squeeze(-1).double(), fine.squeeze(-1).double() * qx.sum(-1)
 
@@ -225,6 +228,35 @@ def test_fused_input_ops_equal_the_layers_they_stand_for(generic):
     x = torch.randn(7, 96)
     assert_close_rel(run(x, norm=(norm.weight, 1e-5)), run(norm(x)), 1e-5)
     assert torch.equal(run(x, residual=residual), residual + run(x))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int8_activations_multiply_the_hi_plane_alone(bits, symmetric):
+    """A weight with int8_activations: the activations rounded to one int8 plane per group (lo = 0;
+    llama.cpp's rounding), the products of the zero plane skipped on VNNI / AMX: the portable path's
+    bits at every block size (1 to 8 rows, AMX blocks, chunks of 64 rows), its formula to float32
+    rounding, and an error ~2^8 times the two planes' (so the setting is not ignored)."""
+    n, k = 48, 1536
+    weight = symmetric_and_stored(bits, n, k, seed=3)[0] if symmetric else \
+        QuantWeight(random_block_quant(n, k, bits, seed=3), torch.float32)
+    x, residual = torch.randn(150, k), torch.randn(150, n)
+    x[3] = 0
+    two = weight.matmul(x)
+    weight.int8_activations = True
+    y = weight.matmul(x)
+    for rows in (1, 2, 5, 8, 9, 10, 15, 16, 17, 64, 80, 150):
+        got = kernels.quant_matmul(x[:rows], weight.plan(), residual=residual[:rows])
+        assert torch.equal(got, kernels.quant_matmul(x[:rows], weight.plan(), residual=residual[:rows], generic=True))
+        assert torch.equal(weight.matmul(x[:rows]), y[:rows])   # (a row's output does not depend on its batch)
+    assert torch.equal(y[3], torch.zeros(n))
+    qx, dx, _ = quantize_activations(x, one_plane=True)
+    x_hat = (qx * dx[..., None]).reshape(x.shape)
+    w = weight.dequantize().double()
+    assert_close_rel(y, x_hat @ w.t(), 2e-6)
+    exact = x.double() @ w.t()
+    error_one, error_two = ((out.double() - exact).norm() / exact.norm() for out in (y, two))
+    assert 1e-3 < error_one < 2e-2 and error_one > 50 * error_two
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -357,6 +389,23 @@ def test_quantization_option_is_validated():
         _check_quantization("int4", torch.device("meta"))
 
 
+def test_int8_activations_are_refused_for_a_model_that_runs_dense(tiny_gguf_model, tiny_hf_model):
+    """activation_precision applies to quantized weights: a model that runs dense refuses int8 (it would
+    change nothing) with a message naming the setting; a quantized target's dense draft keeps the
+    default while the target's weights take int8."""
+    with pytest.raises(TokenmillError, match="activation_precision.*quantized weights"):
+        LLM(str(tiny_hf_model("smollm")), activation_precision="int8")
+    with pytest.raises(TokenmillError, match="activation_precision.*quantized weights"):
+        LLM(str(tiny_gguf_model("smollm", "Q8_0")), quantization="none", activation_precision="int8")
+    with pytest.raises(TokenmillError, match="activation_precision: 'int4' is not one of int16, int8"):
+        EngineConfig(activation_precision="int4")
+    path = str(tiny_gguf_model("smollm", "Q8_0"))
+    llm = LLM(path, activation_precision="int8", num_kv_blocks=64,
+              speculative_config={"model": path, "quantization": "none", "num_speculative_tokens": 2})
+    assert llm.engine.speculator is not None
+    assert all(m.int8_activations for m in llm.engine.model.modules() if isinstance(m, QuantWeight))
+
+
 # ------------------------------------------------------------------------------- models
 
 
@@ -436,6 +485,16 @@ def test_quality_bench_orders_modes(tiny_hf_model):
     assert 0 < rows["int8"]["mean_kl"] < rows["int4"]["mean_kl"]
     assert rows["int8"]["top1_agreement"] >= 0.9
     assert report["predicted"] == report["tokens"] - 1  # every token after the first, once
+
+
+def test_quality_bench_measures_int8_activations(tiny_gguf_model):
+    """`bench quality`'s auto-kv-f32-act-int8 mode runs the quantized file with activation_precision int8:
+    further from the dequantized reference than the default two planes (auto-kv-f32), by orders of
+    magnitude."""
+    report = run_quality(str(tiny_gguf_model("smollm", "Q8_0")), ["auto-kv-f32", "auto-kv-f32-act-int8"],
+                         context=128, chunk_size=16, text=TEXT_PATH.read_text(encoding="utf-8")[:800])
+    rows = {r["mode"]: r for r in report["results"]}
+    assert 100 * rows["auto-kv-f32"]["mean_kl"] < rows["auto-kv-f32-act-int8"]["mean_kl"]
 
 
 def test_quality_scorer_runs_models_with_several_kv_cache_groups(tiny_hf_model):

@@ -408,6 +408,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "generic")   # tool_cal
 
 QUANTIZATION_MODES = (None, "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+ACTIVATION_PRECISIONS = ("int16", "int8")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
@@ -614,6 +615,12 @@ class EngineConfig:
     quantization: str | None = setting(None, "default: GGUF quantized weights run quantized (CPU); none: "
                                        "dequantize everything; int8 | int4: also quantize dense weights at load",
                                        choices=tuple(m for m in QUANTIZATION_MODES if m))
+    activation_precision: str = setting(
+        "int16", "how the CPU kernel of quantized weights rounds the activations it multiplies, per group of 32: "
+        "int16 (two int8 planes; each value within 2^-16 of its group's largest) | int8 (one plane, llama.cpp's "
+        "rounding: about 2^8 times the rounding error, for half the integer products, which speeds up prefill and "
+        "batched decode where the CPU has AVX-512 VNNI or AMX; batch-1 decode reads the same weight bytes). "
+        "docs/ARCHITECTURE.md has bench quality's measurements of both", choices=ACTIVATION_PRECISIONS)
     weight_cache: bool = setting(True, "keep quantized weights converted at load (GGUF blocks repacked for the "
                                  "kernels, int8 / int4 quantization) in the cache folder, and read them there on the "
                                  "next load of the same file instead of converting again")
@@ -668,6 +675,7 @@ class EngineConfig:
                                  f"token; use tensor_parallel_size to split a model's memory, see "
                                  f"docs/ARCHITECTURE.md)")
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("activation_precision", self.activation_precision, ACTIVATION_PRECISIONS)
         if self.tool_call_parser is not None:
             _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.speculative_config is not None:

@@ -245,6 +245,7 @@ def run_compare_bench(args: argparse.Namespace) -> dict[str, Any]:
         "server_ctx_per_slot": ctx_per_slot, "cpu_count": os.cpu_count(), "quant_types": args.quant_types,
         "long_contexts": args.long_contexts,
         "llama_cpp_python_pin": peers.LLAMA_CPP_PYTHON_VERSION, "llama_repack": b1["repack"],
+        "engine_args": b1["engine_args"],
     }
     results: dict[str, dict[str, Any]] = {e: {"engine": e} for e in ENGINES}
     load_avgs: dict[str, float | None] = {}
@@ -539,6 +540,9 @@ def print_table(cfg: dict[str, Any], table: list[dict[str, Any]], load_avgs: dic
               f"`llama-server -np C` (a server per level); median of {cfg['concurrent_repeats']} runs, fresh "
               f"prompts each (± spread: (max - min) / median)")
     peers.print_repack_note(cfg.get("llama_repack"))
+    if cfg.get("engine_args", {}).get("activation_precision", "int16") != "int16":
+        print(f"tokenmill runs with activation_precision {cfg['engine_args']['activation_precision']} (not the "
+              f"default int16): its quantized matmuls round activations as llama.cpp does")
     loads = [v for v in load_avgs.values() if v is not None]
     if loads:
         print(f"system load average before the runs: {min(loads):.2f}-{max(loads):.2f} (a shared machine: load above "

@@ -34,11 +34,15 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.loader import checkpoint_config, weight_forms
 
 LLAMA_CPP = "llama.cpp"
-MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32", "auto-kv-int8", LLAMA_CPP)
+MODES = ("none", "auto", "int8", "int4", "bf16", "auto-kv-f32", "auto-kv-int8", "auto-act-int8",
+         "auto-kv-f32-act-int8", LLAMA_CPP)
 # auto: quantization=None (GGUF types kept quantized; on CPU with a bfloat16 KV cache); bf16: dense
 # bfloat16 (the error of plain bf16 inference); auto-kv-f32 / auto-kv-int8: auto with kv_cache_dtype
-# "float32" / "int8" (the cache's own cost, next to auto's bfloat16 one); llama.cpp: LlamaCppScorer
-KV_MODES = {"auto-kv-f32": "float32", "auto-kv-int8": "int8"}
+# "float32" / "int8" (the cache's own cost, next to auto's bfloat16 one); auto-act-int8: auto with
+# activation_precision "int8" (and -kv-f32: with a float32 cache, its cost alone); llama.cpp: LlamaCppScorer
+AUTO_MODES = {"auto-kv-f32": {"kv_cache_dtype": "float32"}, "auto-kv-int8": {"kv_cache_dtype": "int8"},
+              "auto-act-int8": {"activation_precision": "int8"},
+              "auto-kv-f32-act-int8": {"kv_cache_dtype": "float32", "activation_precision": "int8"}}
 TEXT_PATH = Path(__file__).with_name("quality_text.txt")
 
 
@@ -68,15 +72,14 @@ class Scorer:
         from tokenmill import LLM
 
         start = time.perf_counter()
-        kv_cache_dtype = "auto"
+        settings = AUTO_MODES.get(mode, {})
         if mode == "bf16":  # dense bf16, for scale: the error of plain bf16 inference
             mode, dtype = "none", "bfloat16"
-        elif mode in KV_MODES:
-            mode, kv_cache_dtype = "auto", KV_MODES[mode]
+        elif settings:
+            mode = "auto"
         groups = len(kv_layout(checkpoint_config(open_checkpoint(hub.model_path(model_path)))[1]).windows)
         llm = LLM(model_path, dtype=dtype, quantization=None if mode == "auto" else mode,
-                  kv_cache_dtype=kv_cache_dtype, num_kv_blocks=groups * -(-context // block_size),
-                  block_size=block_size, max_num_seqs=1)
+                  num_kv_blocks=groups * -(-context // block_size), block_size=block_size, max_num_seqs=1, **settings)
         return cls(llm, time.perf_counter() - start)
 
     @torch.inference_mode()
@@ -208,6 +211,7 @@ def print_quality(report: dict[str, Any]) -> None:
               f"{r['mean_abs_logit_err']:>14.5f}{r['mean_kl']:>10.2e}{100 * r['top1_agreement']:>12.2f}%  {forms}")
     print("errors are against the dequantized reference (mode none); auto keeps GGUF quantized types quantized "
           "(with a bfloat16 KV cache on CPU); auto-kv-f32 / auto-kv-int8 are auto with a float32 / int8 KV cache; "
+          "auto-act-int8 is auto with activation_precision int8 (-kv-f32: and a float32 cache); "
           "bf16 is the dense model in bfloat16; llama.cpp is llama.cpp on the same file (f16 K/V cache)")
 
 
@@ -219,7 +223,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    "reference on every machine) | bfloat16 | auto")
     p.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"], choices=MODES,
                    help="quantization modes to compare (auto = GGUF types kept quantized, with a bfloat16 KV "
-                   "cache on CPU; auto-kv-f32 / auto-kv-int8 = auto with a float32 / int8 KV cache; bf16 = dense "
+                   "cache on CPU; auto-kv-f32 / auto-kv-int8 = auto with a float32 / int8 KV cache; auto-act-int8 "
+                   "(-kv-f32) = auto with activation_precision int8 (and a float32 cache); bf16 = dense "
                    "bfloat16, for scale); none "
                    "(dense, --dtype) is the reference")
     p.add_argument("--context", type=positive_int, default=1024, help="tokens per window of the text")

@@ -132,7 +132,12 @@ class LLMEngine:
             # regions in this thread take the same count.
             torch.set_num_threads(threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, runs_quantized(ckpt, config.quantization, self.device))
+        quantized = runs_quantized(ckpt, config.quantization, self.device)
+        if config.activation_precision != "int16" and not quantized:   # (it would change nothing)
+            raise TokenmillError(f"activation_precision {config.activation_precision}: it applies to quantized "
+                                 f"weights on CPU, and this model's run dense on {self.device} (quantization "
+                                 f"{config.quantization})")
+        self.dtype = resolve_dtype(config.dtype, self.device, quantized)
         self.workers: TPWorkers | None = None
         if tp_size > 1:
             if self.device.type != "cpu":
@@ -157,7 +162,8 @@ class LLMEngine:
         runner and the scheduler."""
         tp = parallel.SINGLE if self.workers is None else self.workers.tp
         self.model, self.model_config = load_model(ckpt, self.dtype, self.device, config.show_progress,
-                                                   config.quantization, config.max_model_len, config.weight_cache, tp)
+                                                   config.quantization, config.max_model_len, config.weight_cache, tp,
+                                                   config.activation_precision == "int8")
         mc: ModelConfig = self.model_config
         self.quantized = any(isinstance(m, QuantWeight) for m in self.model.modules())
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, self.quantized)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.checkpoint import GGUFCheckpoint, HFCheckpoint, open_checkpoint
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig, resolve_device
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.request import check_prompt_token_ids
 from tokenmill.errors import TokenmillError
 from tokenmill.hub import model_path, resolve_model
-from tokenmill.models.loader import checkpoint_config
+from tokenmill.models.loader import checkpoint_config, runs_quantized
 from tokenmill.sampling import SamplingParams, SamplingParamsError
 from tokenmill.sampling.structured import StructuredOutputsParams
 from tokenmill.tokenizer import (
@@ -202,11 +202,14 @@ def _draft_engine(spec: SpeculativeConfig, config: EngineConfig, tokenizer: Toke
                   eos: frozenset[int]) -> LLMEngine:
     """The draft model's engine: the target's settings but its own model, quantization and (no
     prefix caching: a shadow's blocks are its own) KV pool; refused unless its tokenizer is the
-    target's."""
+    target's. A draft that runs dense keeps the default activation_precision (the target's applies to
+    quantized weights: a dense draft for a quantized target is a pairing this allows)."""
     draft_config = dataclasses.replace(config, model=spec.model, tokenizer=None, chat_template=None,
                                        quantization=spec.quantization, speculative_config=None, tensor_parallel_size=1,
                                        enable_prefix_caching=False)
     ckpt, draft_tokenizer, _, _ = _open_model(spec.model, draft_config)
+    if not runs_quantized(ckpt, draft_config.quantization, resolve_device(draft_config.device)):
+        draft_config.activation_precision = EngineConfig.activation_precision
     difference = tokenizer.vocabulary_difference(draft_tokenizer)
     if difference is not None:
         raise TokenmillError(f"speculative_config.model: the draft's tokenizer is not the target's ({difference}); "

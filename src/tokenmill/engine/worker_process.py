@@ -49,7 +49,8 @@ def _serve(tp: parallel.TensorParallel, spec: WorkerSpec) -> None:
     error = model = None
     try:
         model, model_config = load_model(open_checkpoint(spec.checkpoint), spec.dtype, device, False,
-                                         config.quantization, config.max_model_len, config.weight_cache, tp)
+                                         config.quantization, config.max_model_len, config.weight_cache, tp,
+                                         config.activation_precision == "int8")
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     plan = parallel.broadcast_object(None, tp)

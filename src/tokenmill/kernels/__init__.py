@@ -398,7 +398,7 @@ DENSE_BITS = 16   # kernels.h tm_weight: `bits` of a dense bfloat16 weight
 class WeightPlan(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64),
-                ("zero", ctypes.c_int64)]
+                ("zero", ctypes.c_int64), ("int8_activations", ctypes.c_int64)]
 
 
 class AttentionPlan(ctypes.Structure):

@@ -32,6 +32,8 @@ typedef struct {
     int64_t in_features;
     int64_t bits;               /* 4 or 8 (quantized), 16 (dense bfloat16) */
     int64_t zero;               /* with offsets NULL and bits 4 or 8: m = -zero d; else unused */
+    int64_t int8_activations;   /* bits 4 or 8: 1 rounds the activations to one int8 plane per group (llama.cpp's
+                                   rounding), 0 to two (quant_matmul.c); else unused */
 } tm_weight;
 
 /* K/V cache element types. A float32 or bfloat16 row of a (token, kv head) is its head_dim values. An

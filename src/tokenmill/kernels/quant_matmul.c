@@ -19,6 +19,10 @@
  * W = d u + m: several times the error; ARCHITECTURE has the measurements.) A row's output never
  * depends on the other rows.
  *
+ * A weight with int8_activations set takes the hi plane alone (lo = 0, a plane of zeros): llama.cpp's
+ * int8 activations, ~2^8 times the rounding error, for half the products. The VNNI and AMX paths skip
+ * the zero plane's products; the others multiply it (the same bits, no faster).
+ *
  * Layout (`pack` in layers/quant.py): rows in tiles of 16. For tile t and group g:
  *   8 bits: 8 vectors of 64 bytes; vector c, byte 4r + i = u[16t + r, 32g + 4c + i]
  *   4 bits: 4 vectors of 64 bytes; vector j, byte 4r + i = u[.., 32g + 4j + i] | u[.., 32g + 16 + 4j + i] << 4
@@ -78,10 +82,10 @@ static inline __m256i pack_bytes(const __m256i *v) {
 #endif
 
 /* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
- * clamped to +-127; dx = fine, bx = the sum of the group's quantized activations, fine sum (254 hi + lo):
- * an integer of at most 32 x 32385 < 2^24, so every float order of the sum gives it exactly, and the
- * builds agree with one rounding of the product. */
-static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx, float *bx) {
+ * clamped to +-127 (or 0 with one_plane); dx = fine, bx = the sum of the group's quantized activations,
+ * fine sum (254 hi + lo): an integer of at most 32 x 32385 < 2^24, so every float order of the sum gives it
+ * exactly, and the builds agree with one rounding of the product. */
+static void quantize_row(const float *x, int64_t k, int one_plane, int8_t *hi, int8_t *lo, float *dx, float *bx) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
         float amax = 0.0f;
@@ -112,7 +116,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
             const __m512 v = half ? x1 : x0;
             const __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), round);
             __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(h, vstep)), vfine), round);
-            l = _mm512_min_ps(_mm512_max_ps(l, bottom), top);
+            l = one_plane ? _mm512_setzero_ps() : _mm512_min_ps(_mm512_max_ps(l, bottom), top);
             planes = _mm512_add_ps(planes, _mm512_fmadd_ps(h, _mm512_set1_ps(254.0f), l));
             _mm_storeu_si128((__m128i *)(hi + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
             _mm_storeu_si128((__m128i *)(lo + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
@@ -126,7 +130,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
         for (int j = 0; j < 4; j++) {
             const __m256 h = _mm256_round_ps(_mm256_mul_ps(xv[j], vinv), round);
             __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(xv[j], _mm256_mul_ps(h, vstep)), vfine), round);
-            l = _mm256_min_ps(_mm256_max_ps(l, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            l = one_plane ? _mm256_setzero_ps()
+                          : _mm256_min_ps(_mm256_max_ps(l, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
             planes = _mm256_add_ps(planes, _mm256_fmadd_ps(h, _mm256_set1_ps(254.0f), l));
             hv[j] = _mm256_cvtps_epi32(h);
             lv[j] = _mm256_cvtps_epi32(l);
@@ -139,7 +144,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
         for (int i = 0; i < GROUP; i++) {
             const float h = nearbyintf(xg[i] * inv);
             float l = nearbyintf((xg[i] - h * step) * inv_fine);
-            l = l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
+            l = one_plane ? 0.0f : l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
             hi[g * GROUP + i] = (int8_t)h;
             lo[g * GROUP + i] = (int8_t)l;
             sum += 254.0f * h + l;
@@ -170,6 +175,7 @@ typedef struct {
     const uint16_t *d, *m;          /* m NULL: symmetric, m = -zero d */
     float zero;
     int bits;
+    int one_plane;                  /* the lo plane is zeros (int8 activations) */
     int64_t groups, k, n;           /* n: outputs, the row stride of y and residual */
     const int8_t *q;                /* per activation row: its hi plane [k], then its lo plane [k] */
     const float *dx, *bx;           /* per activation row: [groups] */
@@ -214,17 +220,18 @@ static inline __m512 add_group_sums(__m512 acc, __m512i hi, __m512i lo, __m512 d
 }
 
 /* One activation row's contribution of one group to a tile's 16 outputs: acc + the group's sums
- * (16 dot products of 4 inputs each per plane; 4 independent chains). */
-static inline __m512 row_group(__m512 acc, const __m512i *u, const int8_t *qrow, int64_t k, __m512 dv, __m512 mv,
-                               float dx, float bx) {
+ * (16 dot products of 4 inputs each per plane; 4 independent chains). PLANES (constant at the call
+ * site) 1: the lo plane is zeros (int8 activations), its products are skipped and its sums are 0. */
+static ALWAYS_INLINE __m512 row_group(const int PLANES, __m512 acc, const __m512i *u, const int8_t *qrow, int64_t k,
+                                      __m512 dv, __m512 mv, float dx, float bx) {
     const int32_t *a = (const int32_t *)qrow, *b = (const int32_t *)(qrow + k);
     __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
     __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
     for (int c = 0; c < 8; c += 2) {
         h0 = _mm512_dpbusd_epi32(h0, u[c], _mm512_set1_epi32(a[c]));
-        l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));
+        if (PLANES == 2) l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));
         h1 = _mm512_dpbusd_epi32(h1, u[c + 1], _mm512_set1_epi32(a[c + 1]));
-        l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));
+        if (PLANES == 2) l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));
     }
     return add_group_sums(acc, _mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), dv, mv, dx, bx);
 }
@@ -240,7 +247,8 @@ static inline void store_tile_row(const tile_job *job, __m512 acc, int64_t i, in
  * once: the tile's weights are unpacked once per group and reused by every row. Each row's
  * accumulator is a variable of its own (not an array), which keeps all eight in registers; the rows
  * past MB compile away. */
-static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t, int64_t i0, int nrows) {
+static ALWAYS_INLINE void tile_vnni(const int MB, const int PLANES, const tile_job *job, int64_t t, int64_t i0,
+                                    int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0, acc6 = acc0,
@@ -264,14 +272,14 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t
                                          : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
         const int8_t *qg = job->q + i0 * 2 * k + g * GROUP;
         const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
-        acc0 = row_group(acc0, u, qg, k, dv, mv, dxg[0], bxg[0]);
-        if (MB > 1) acc1 = row_group(acc1, u, qg + 2 * k, k, dv, mv, dxg[groups], bxg[groups]);
-        if (MB > 2) acc2 = row_group(acc2, u, qg + 4 * k, k, dv, mv, dxg[2 * groups], bxg[2 * groups]);
-        if (MB > 3) acc3 = row_group(acc3, u, qg + 6 * k, k, dv, mv, dxg[3 * groups], bxg[3 * groups]);
-        if (MB > 4) acc4 = row_group(acc4, u, qg + 8 * k, k, dv, mv, dxg[4 * groups], bxg[4 * groups]);
-        if (MB > 5) acc5 = row_group(acc5, u, qg + 10 * k, k, dv, mv, dxg[5 * groups], bxg[5 * groups]);
-        if (MB > 6) acc6 = row_group(acc6, u, qg + 12 * k, k, dv, mv, dxg[6 * groups], bxg[6 * groups]);
-        if (MB > 7) acc7 = row_group(acc7, u, qg + 14 * k, k, dv, mv, dxg[7 * groups], bxg[7 * groups]);
+        acc0 = row_group(PLANES, acc0, u, qg, k, dv, mv, dxg[0], bxg[0]);
+        if (MB > 1) acc1 = row_group(PLANES, acc1, u, qg + 2 * k, k, dv, mv, dxg[groups], bxg[groups]);
+        if (MB > 2) acc2 = row_group(PLANES, acc2, u, qg + 4 * k, k, dv, mv, dxg[2 * groups], bxg[2 * groups]);
+        if (MB > 3) acc3 = row_group(PLANES, acc3, u, qg + 6 * k, k, dv, mv, dxg[3 * groups], bxg[3 * groups]);
+        if (MB > 4) acc4 = row_group(PLANES, acc4, u, qg + 8 * k, k, dv, mv, dxg[4 * groups], bxg[4 * groups]);
+        if (MB > 5) acc5 = row_group(PLANES, acc5, u, qg + 10 * k, k, dv, mv, dxg[5 * groups], bxg[5 * groups]);
+        if (MB > 6) acc6 = row_group(PLANES, acc6, u, qg + 12 * k, k, dv, mv, dxg[6 * groups], bxg[6 * groups]);
+        if (MB > 7) acc7 = row_group(PLANES, acc7, u, qg + 14 * k, k, dv, mv, dxg[7 * groups], bxg[7 * groups]);
     }
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
     store_tile_row(job, acc0, i0, t, mask);
@@ -285,21 +293,27 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const tile_job *job, int64_t t
 }
 
 /* Activation rows [i, end) against tile t, 8 at a time and the rest in one pass (every pass unpacks
- * the weights again: a speculative step's k + 1 rows or a small batch are one pass, not 4 + 2 + 1).
- * Kept out of line: the caller's loops and these register-hungry bodies are allocated apart. */
-__attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_t t, int64_t i, int64_t end,
-                                                     int nrows) {
-    for (; end - i >= 8; i += 8) tile_vnni(8, job, t, i, nrows);
+ * the weights again: a speculative step's k + 1 rows or a small batch are one pass, not 4 + 2 + 1). */
+static ALWAYS_INLINE void rows_vnni(const int PLANES, const tile_job *job, int64_t t, int64_t i, int64_t end,
+                                    int nrows) {
+    for (; end - i >= 8; i += 8) tile_vnni(8, PLANES, job, t, i, nrows);
     switch (end - i) {
-    case 7: tile_vnni(7, job, t, i, nrows); break;
-    case 6: tile_vnni(6, job, t, i, nrows); break;
-    case 5: tile_vnni(5, job, t, i, nrows); break;
-    case 4: tile_vnni(4, job, t, i, nrows); break;
-    case 3: tile_vnni(3, job, t, i, nrows); break;
-    case 2: tile_vnni(2, job, t, i, nrows); break;
-    case 1: tile_vnni(1, job, t, i, nrows); break;
+    case 7: tile_vnni(7, PLANES, job, t, i, nrows); break;
+    case 6: tile_vnni(6, PLANES, job, t, i, nrows); break;
+    case 5: tile_vnni(5, PLANES, job, t, i, nrows); break;
+    case 4: tile_vnni(4, PLANES, job, t, i, nrows); break;
+    case 3: tile_vnni(3, PLANES, job, t, i, nrows); break;
+    case 2: tile_vnni(2, PLANES, job, t, i, nrows); break;
+    case 1: tile_vnni(1, PLANES, job, t, i, nrows); break;
     default: break;
     }
+}
+
+/* Kept out of line: the caller's loops and these register-hungry bodies are allocated apart. */
+__attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_t t, int64_t i, int64_t end,
+                                                     int nrows) {
+    if (job->one_plane) rows_vnni(1, job, t, i, end, nrows);
+    else rows_vnni(2, job, t, i, end, nrows);
 }
 #endif
 
@@ -362,15 +376,17 @@ static inline void amx_unpack(const uint8_t *tg, uint8_t out[GROUP / 4][64]) {
  * x the group's weight operand w, to sums[0] (hi) and sums[1] (lo). gcc's tile load intrinsic does
  * not tell the compiler that it reads memory (nor, in some versions, the tile store that it writes):
  * hence the barriers. */
-static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int32_t sums[2][16][TILE]) {
+static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int one_plane, int32_t sums[2][16][TILE]) {
     __asm__ volatile("" ::: "memory");   /* w's unpacking is stored before the tile load reads it */
     _tile_loadd(2, w, 64);
     _tile_loadd(0, qg, 2 * k);
-    _tile_loadd(1, qg + k, 2 * k);
     _tile_zero(3);
     _tile_zero(4);
     _tile_dpbsud(3, 0, 2);
-    _tile_dpbsud(4, 1, 2);
+    if (!one_plane) {   /* (else the lo plane is zeros: its sums stay 0) */
+        _tile_loadd(1, qg + k, 2 * k);
+        _tile_dpbsud(4, 1, 2);
+    }
     _tile_stored(3, sums[0], 64);
     _tile_stored(4, sums[1], 64);
     __asm__ volatile("" ::: "memory");   /* and the sums are read after the tile stores wrote them */
@@ -408,7 +424,7 @@ static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows, int 
             const uint8_t *tg = tw + (g0 + b) * gbytes;
             prefetch_ahead(tg, gbytes);
             amx_group(job->bits == 4 ? (const void *)unpacked[ring][b] : tg, job->q + i0 * 2 * k + (g0 + b) * GROUP,
-                      k, sums[b]);
+                      k, job->one_plane, sums[b]);
         }
         for (int b = 0; b < batch; b++) {
             const int64_t g = g0 + b, sg = (t * groups + g) * TILE;
@@ -615,12 +631,13 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
     const int fused = gated || norm_w != NULL;
     /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
+    const int one_plane = weight->int8_activations != 0;
     const tile_job job = {weight->packed, weight->scales, weight->offsets, (float)weight->zero, (int)weight->bits,
-                          groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
+                          one_plane, groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < mrows; i++) {
         const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, fused ? s->rows + i * k : NULL, generic);
-        quantize_row(row, k, s->q + 2 * i * k, s->q + 2 * i * k + k, s->dx + i * groups, s->bx + i * groups);
+        quantize_row(row, k, one_plane, s->q + 2 * i * k, s->q + 2 * i * k + k, s->dx + i * groups, s->bx + i * groups);
 #if AVX2_TILES
         combine_planes(s->q + 2 * i * k, s->q + 2 * i * k + k, k, s->x16 + i * k);
 #endif

@@ -106,7 +106,11 @@ def quantize(w: torch.Tensor, bits: int) -> BlockQuant:
 
 class QuantWeight(nn.Module):
     """A [N, K] weight packed for kernels/quant_matmul.c (its layout is described there); `offsets` is
-    None for a symmetric weight, whose offsets are -zero * scales."""
+    None for a symmetric weight, whose offsets are -zero * scales. `int8_activations`: the kernel rounds
+    the activations it multiplies to one int8 plane per group instead of two (EngineConfig's
+    activation_precision; set by the loader)."""
+
+    int8_activations: bool = False
 
     def __init__(self, q: BlockQuant, dtype: torch.dtype):
         super().__init__()
@@ -160,7 +164,8 @@ class QuantWeight(nn.Module):
 
     def extra_repr(self) -> str:
         zero = "" if self.zero is None else f", zero={self.zero}"
-        return f"out={self.out_features}, in={self.in_features}, bits={self.bits}{zero}"
+        activations = ", int8 activations" if self.int8_activations else ""
+        return f"out={self.out_features}, in={self.in_features}, bits={self.bits}{zero}{activations}"
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup), [*ids.shape, K] in `dtype` (default: the
@@ -181,7 +186,8 @@ class QuantWeight(nn.Module):
     def plan(self) -> kernels.WeightPlan:
         """This weight as kernels.h's tm_weight (the caller keeps self alive)."""
         return kernels.WeightPlan(self.packed.data_ptr(), self.scales.data_ptr(), kernels.pointer(self.offsets),
-                                  self.out_features, self.in_features, self.bits, self.zero or 0)
+                                  self.out_features, self.in_features, self.bits, self.zero or 0,
+                                  int(self.int8_activations))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,
                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:

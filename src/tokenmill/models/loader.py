@@ -65,13 +65,15 @@ def checkpoint_config(ckpt: GGUFCheckpoint | HFCheckpoint) -> tuple[type, ModelC
 def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: torch.device,
                show_progress: bool = False, quantization: str | None = None,
                max_model_len: int | None = None, use_weight_cache: bool = False,
-               tp: parallel.TensorParallel = parallel.SINGLE) -> tuple[nn.Module, ModelConfig]:
+               tp: parallel.TensorParallel = parallel.SINGLE,
+               int8_activations: bool = False) -> tuple[nn.Module, ModelConfig]:
     """The model and its config. `max_model_len` below the checkpoint's context builds the model for
     that context: rotary tables of that length, and the rope choices that depend on it (longrope's
     factor set, dynamic NTK) made for it, as llama.cpp makes them for its context size.
     `use_weight_cache`: read quantized weights converted by an earlier load of the same checkpoint,
     or keep them for the next one (models/weight_cache.py); CPU quantized loads only.
-    `tp`: build and fill rank `tp.rank`'s part of the model (tokenmill/parallel.py)."""
+    `tp`: build and fill rank `tp.rank`'s part of the model (tokenmill/parallel.py).
+    `int8_activations`: every quantized weight rounds its activations to int8 (QuantWeight)."""
     quantization = _check_quantization(quantization, device)
     cls, config = checkpoint_config(ckpt)
     if max_model_len is not None and max_model_len < config.max_position_embeddings:
@@ -101,6 +103,9 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
             weight_cache.save(model, entry)
         if device.type == "cpu":   # (a cache hit's tensors were read onto huge pages)
             memory.move_weights_to_huge_pages(model)
+    for module in model.modules():
+        if isinstance(module, QuantWeight):
+            module.int8_activations = int8_activations
     model.set_up(ckpt)
     model.eval()
     logger.info("weights (quantization %s%s): %s", quantization, f", read from {entry}" if cached else "",

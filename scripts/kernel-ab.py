@@ -94,7 +94,9 @@ def matmul_step(args: argparse.Namespace):
         q = quantize(torch.randn(n, k), 4)
         if args.symmetric:   # Q4_0's form: offsets -8 d, which the kernel derives rather than reads
             q = BlockQuant(q.u, q.d, -8 * q.d, 4)
-        return QuantWeight(q, torch.float32)
+        w = QuantWeight(q, torch.float32)
+        w.int8_activations = args.int8_activations
+        return w
 
     weights = [weight(n, k) for _ in range(30) for n, k in LAYER_SHAPES]
     plans = [w.plan() for w in weights]
@@ -135,6 +137,8 @@ def main() -> None:
                              "one after another (a fresh engine's)")
     parser.add_argument("--symmetric", action="store_true",
                         help="matmul: symmetric 4-bit weights (Q4_0's form) instead of ones with offsets (Q4_1's)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="matmul: the weights round activations to one int8 plane (activation_precision int8)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

@@ -100,7 +100,7 @@ def random_block_quant(rows: int, cols: int, bits: int, seed: int = 0) -> BlockQ
 def quantize_activations(x: torch.Tensor, one_plane: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation split, x ~ dx (254 hi + lo) per group of 32, computed in float32 as the
     kernel does: (254 hi + lo as float64, dx, the group sums of the quantized activations). `one_plane`:
-    int8 activations, lo = 0."""
+    int8 activations, x ~ step hi: (hi, step, its sums)."""
     g = x.float().view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
     step = amax / 127
@@ -110,7 +110,7 @@ def quantize_activations(x: torch.Tensor, one_plane: bool = False) -> tuple[torc
     hi = torch.round(g * inv)
     lo = torch.round((g - hi * step) * inv_fine).clamp(-127, 127)
     if one_plane:
-        lo = torch.zeros_like(lo)
+        return hi.double(), step.squeeze(-1).double(), step.squeeze(-1).double() * hi.double().sum(-1)
     qx = (254 * hi + lo).double()
     return qx, fine.squeeze(-1).double(), fine.squeeze(-1).double() * qx.sum(-1)
 
@@ -233,8 +233,8 @@ def test_fused_input_ops_equal_the_layers_they_stand_for(generic):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int8_activations_multiply_the_hi_plane_alone(bits, symmetric):
-    """A weight with int8_activations: the activations rounded to one int8 plane per group (lo = 0;
-    llama.cpp's rounding), the products of the zero plane skipped on VNNI / AMX: the portable path's
+    """A weight with int8_activations: the activations rounded to one int8 plane per group (llama.cpp's
+    rounding; the symmetric form subtracts zero * sum(hi) in the integers' float): the portable path's
     bits at every block size (1 to 8 rows, AMX blocks, chunks of 64 rows), its formula to float32
     rounding, and an error ~2^8 times the two planes' (so the setting is not ignored)."""
     n, k = 48, 1536

@@ -19,9 +19,11 @@
  * W = d u + m: several times the error; ARCHITECTURE has the measurements.) A row's output never
  * depends on the other rows.
  *
- * A weight with int8_activations set takes the hi plane alone (lo = 0, a plane of zeros): llama.cpp's
- * int8 activations, ~2^8 times the rounding error, for half the products. The VNNI and AMX paths skip
- * the zero plane's products; the others multiply it (the same bits, no faster).
+ * A weight with int8_activations set takes one plane: x[k] ~ dx[g] hi[k] with dx = amax / 127 (llama.cpp's
+ * int8 activations, ~2^8 times the rounding error, for half the products), and fewer float steps:
+ *   sum_k W[n, k] x^[k] = sum_g ( d[n, g] dx[g] sum_k u hi  +  m[n, g] dx[g] sum_k hi )
+ * and for a symmetric weight (m = -z d) sum_g (sum_k u hi - z sum_k hi) d[n, g] dx[g], one integer
+ * difference (exact in float32: both terms are below 2^24) and one product per group (SUMS_* below).
  *
  * Layout (`pack` in layers/quant.py): rows in tiles of 16. For tile t and group g:
  *   8 bits: 8 vectors of 64 bytes; vector c, byte 4r + i = u[16t + r, 32g + 4c + i]
@@ -81,11 +83,20 @@ static inline __m256i pack_bytes(const __m256i *v) {
 }
 #endif
 
+/* How a group's integer sums become a float contribution (tile_job.sums; tile_generic has each formula). */
+enum {
+    SUMS_TWO_PLANES = 0,         /* (254 sum u hi + sum u lo) d dx + m bx, bx = dx sum (254 hi + lo) */
+    SUMS_ONE_PLANE = 1,          /* (sum u hi) d dx + m bx, bx = dx sum hi */
+    SUMS_ONE_PLANE_SYMMETRIC = 2 /* (sum u hi - bx) d dx, bx = zero sum hi */
+};
+
 /* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
- * clamped to +-127 (or 0 with one_plane); dx = fine, bx = the sum of the group's quantized activations,
- * fine sum (254 hi + lo): an integer of at most 32 x 32385 < 2^24, so every float order of the sum gives it
- * exactly, and the builds agree with one rounding of the product. */
-static void quantize_row(const float *x, int64_t k, int one_plane, int8_t *hi, int8_t *lo, float *dx, float *bx) {
+ * clamped to +-127; dx = fine, bx = the sum of the group's quantized activations, fine sum (254 hi + lo):
+ * an integer of at most 32 x 32385 < 2^24, so every float order of the sum gives it exactly, and the
+ * builds agree with one rounding of the product. One plane (sums SUMS_ONE_PLANE*): no lo (nothing reads
+ * it), dx = step, and bx = step sum hi, or zero sum hi (an exact integer) for a symmetric weight. */
+static void quantize_row(const float *x, int64_t k, int sums, float zero, int8_t *hi, int8_t *lo, float *dx,
+                         float *bx) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
         float amax = 0.0f;
@@ -111,14 +122,18 @@ static void quantize_row(const float *x, int64_t k, int one_plane, int8_t *hi, i
         const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         const __m512 vinv = _mm512_set1_ps(inv), vstep = _mm512_set1_ps(step), vfine = _mm512_set1_ps(inv_fine);
         const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
-        __m512 planes = _mm512_setzero_ps();   /* 254 h + l, summed per lane */
+        __m512 planes = _mm512_setzero_ps();   /* 254 h + l (one plane: h), summed per lane */
         for (int half = 0; half < 2; half++) {
             const __m512 v = half ? x1 : x0;
             const __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), round);
-            __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(h, vstep)), vfine), round);
-            l = one_plane ? _mm512_setzero_ps() : _mm512_min_ps(_mm512_max_ps(l, bottom), top);
-            planes = _mm512_add_ps(planes, _mm512_fmadd_ps(h, _mm512_set1_ps(254.0f), l));
             _mm_storeu_si128((__m128i *)(hi + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
+            if (sums != SUMS_TWO_PLANES) {
+                planes = _mm512_add_ps(planes, h);
+                continue;
+            }
+            __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(h, vstep)), vfine), round);
+            l = _mm512_min_ps(_mm512_max_ps(l, bottom), top);
+            planes = _mm512_add_ps(planes, _mm512_fmadd_ps(h, _mm512_set1_ps(254.0f), l));
             _mm_storeu_si128((__m128i *)(lo + g * GROUP + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
         }
         const float sum = _mm512_reduce_add_ps(planes);
@@ -126,32 +141,36 @@ static void quantize_row(const float *x, int64_t k, int one_plane, int8_t *hi, i
         const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         const __m256 vinv = _mm256_set1_ps(inv), vstep = _mm256_set1_ps(step), vfine = _mm256_set1_ps(inv_fine);
         __m256i hv[4], lv[4];
-        __m256 planes = _mm256_setzero_ps();   /* 254 h + l, summed per lane */
+        __m256 planes = _mm256_setzero_ps();   /* 254 h + l (one plane: h), summed per lane */
         for (int j = 0; j < 4; j++) {
             const __m256 h = _mm256_round_ps(_mm256_mul_ps(xv[j], vinv), round);
             __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(xv[j], _mm256_mul_ps(h, vstep)), vfine), round);
-            l = one_plane ? _mm256_setzero_ps()
-                          : _mm256_min_ps(_mm256_max_ps(l, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-            planes = _mm256_add_ps(planes, _mm256_fmadd_ps(h, _mm256_set1_ps(254.0f), l));
+            l = _mm256_min_ps(_mm256_max_ps(l, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            planes = _mm256_add_ps(planes, sums == SUMS_TWO_PLANES ? _mm256_fmadd_ps(h, _mm256_set1_ps(254.0f), l) : h);
             hv[j] = _mm256_cvtps_epi32(h);
             lv[j] = _mm256_cvtps_epi32(l);
         }
         _mm256_storeu_si256((__m256i *)(hi + g * GROUP), pack_bytes(hv));
-        _mm256_storeu_si256((__m256i *)(lo + g * GROUP), pack_bytes(lv));
+        if (sums == SUMS_TWO_PLANES) _mm256_storeu_si256((__m256i *)(lo + g * GROUP), pack_bytes(lv));
         const float sum = sum16_256(planes, _mm256_setzero_ps());   /* (exact in any order) */
 #else
         float sum = 0.0f;
         for (int i = 0; i < GROUP; i++) {
             const float h = nearbyintf(xg[i] * inv);
             float l = nearbyintf((xg[i] - h * step) * inv_fine);
-            l = one_plane ? 0.0f : l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
+            l = l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
             hi[g * GROUP + i] = (int8_t)h;
             lo[g * GROUP + i] = (int8_t)l;
-            sum += 254.0f * h + l;
+            sum += sums == SUMS_TWO_PLANES ? 254.0f * h + l : h;
         }
 #endif
-        dx[g] = fine;
-        bx[g] = fine * sum;
+        if (sums == SUMS_TWO_PLANES) {
+            dx[g] = fine;
+            bx[g] = fine * sum;
+        } else {
+            dx[g] = step;
+            bx[g] = sums == SUMS_ONE_PLANE_SYMMETRIC ? zero * sum : step * sum;
+        }
     }
 }
 
@@ -175,7 +194,7 @@ typedef struct {
     const uint16_t *d, *m;          /* m NULL: symmetric, m = -zero d */
     float zero;
     int bits;
-    int one_plane;                  /* the lo plane is zeros (int8 activations) */
+    int sums;                       /* SUMS_*: how a group's integer sums become floats */
     int64_t groups, k, n;           /* n: outputs, the row stride of y and residual */
     const int8_t *q;                /* per activation row: its hi plane [k], then its lo plane [k] */
     const float *dx, *bx;           /* per activation row: [groups] */
@@ -196,12 +215,21 @@ static void tile_generic(const tile_job *job, int64_t t, int64_t i0, int64_t mb,
                 int32_t sh = 0, sl = 0;
                 for (int kk = 0; kk < GROUP; kk++) {
                     sh += weight_u(tg, job->bits, r, kk) * hg[kk];
-                    sl += weight_u(tg, job->bits, r, kk) * lg[kk];
+                    if (job->sums == SUMS_TWO_PLANES) sl += weight_u(tg, job->bits, r, kk) * lg[kk];
                 }
                 const int64_t sg = (t * groups + g) * TILE + r;
-                const float s = fmaf((float)sh, 254.0f, (float)sl);
-                acc[r] = fmaf(s, f16_to_f32(job->d[sg]) * job->dx[i * groups + g], acc[r]);
-                acc[r] = fmaf(group_offset(job->d, job->m, job->zero, sg), job->bx[i * groups + g], acc[r]);
+                const float scale = f16_to_f32(job->d[sg]) * job->dx[i * groups + g], bx = job->bx[i * groups + g];
+                switch (job->sums) {
+                case SUMS_TWO_PLANES:
+                    acc[r] = fmaf(fmaf((float)sh, 254.0f, (float)sl), scale, acc[r]);
+                    acc[r] = fmaf(group_offset(job->d, job->m, job->zero, sg), bx, acc[r]);
+                    break;
+                case SUMS_ONE_PLANE:
+                    acc[r] = fmaf(f16_to_f32(job->m[sg]), bx, fmaf((float)sh, scale, acc[r]));
+                    break;
+                default:   /* SUMS_ONE_PLANE_SYMMETRIC */
+                    acc[r] = fmaf((float)sh - bx, scale, acc[r]);
+                }
             }
         }
         const int64_t at = i * job->n + t * TILE;
@@ -211,29 +239,34 @@ static void tile_generic(const tile_job *job, int64_t t, int64_t i0, int64_t mb,
 }
 
 #ifdef HAVE_VNNI
-/* acc + one activation row's group from its plane sums (hi, lo: an int32 per output): the float
- * steps of the VNNI and AMX paths, in tile_generic's order (the same bits on every path). */
-static inline __m512 add_group_sums(__m512 acc, __m512i hi, __m512i lo, __m512 dv, __m512 mv, float dx, float bx) {
+/* acc + one activation row's group from its plane sums (hi, lo: an int32 per output; lo unused with one
+ * plane): the float steps of the VNNI and AMX paths, in tile_generic's order (the same bits on every
+ * path). SUMS (a SUMS_*, constant at the call site); mv unused for SUMS_ONE_PLANE_SYMMETRIC. */
+static ALWAYS_INLINE __m512 add_group_sums(const int SUMS, __m512 acc, __m512i hi, __m512i lo, __m512 dv, __m512 mv,
+                                           float dx, float bx) {
+    const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx));
+    if (SUMS == SUMS_ONE_PLANE_SYMMETRIC)
+        return _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(bx)), scale, acc);
+    if (SUMS == SUMS_ONE_PLANE)
+        return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, acc));
     const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(lo));
-    acc = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc);
-    return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), acc);
+    return _mm512_fmadd_ps(mv, _mm512_set1_ps(bx), _mm512_fmadd_ps(s, scale, acc));
 }
 
 /* One activation row's contribution of one group to a tile's 16 outputs: acc + the group's sums
- * (16 dot products of 4 inputs each per plane; 4 independent chains). PLANES (constant at the call
- * site) 1: the lo plane is zeros (int8 activations), its products are skipped and its sums are 0. */
-static ALWAYS_INLINE __m512 row_group(const int PLANES, __m512 acc, const __m512i *u, const int8_t *qrow, int64_t k,
+ * (16 dot products of 4 inputs each per plane; 4 independent chains; one plane: 8, 2 chains). */
+static ALWAYS_INLINE __m512 row_group(const int SUMS, __m512 acc, const __m512i *u, const int8_t *qrow, int64_t k,
                                       __m512 dv, __m512 mv, float dx, float bx) {
     const int32_t *a = (const int32_t *)qrow, *b = (const int32_t *)(qrow + k);
     __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
     __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
     for (int c = 0; c < 8; c += 2) {
         h0 = _mm512_dpbusd_epi32(h0, u[c], _mm512_set1_epi32(a[c]));
-        if (PLANES == 2) l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));
+        if (SUMS == SUMS_TWO_PLANES) l0 = _mm512_dpbusd_epi32(l0, u[c], _mm512_set1_epi32(b[c]));
         h1 = _mm512_dpbusd_epi32(h1, u[c + 1], _mm512_set1_epi32(a[c + 1]));
-        if (PLANES == 2) l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));
+        if (SUMS == SUMS_TWO_PLANES) l1 = _mm512_dpbusd_epi32(l1, u[c + 1], _mm512_set1_epi32(b[c + 1]));
     }
-    return add_group_sums(acc, _mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), dv, mv, dx, bx);
+    return add_group_sums(SUMS, acc, _mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), dv, mv, dx, bx);
 }
 
 /* Row i of a tile's result, + residual, to y (mask: the tile's live outputs). */
@@ -247,7 +280,7 @@ static inline void store_tile_row(const tile_job *job, __m512 acc, int64_t i, in
  * once: the tile's weights are unpacked once per group and reused by every row. Each row's
  * accumulator is a variable of its own (not an array), which keeps all eight in registers; the rows
  * past MB compile away. */
-static ALWAYS_INLINE void tile_vnni(const int MB, const int PLANES, const tile_job *job, int64_t t, int64_t i0,
+static ALWAYS_INLINE void tile_vnni(const int MB, const int SUMS, const tile_job *job, int64_t t, int64_t i0,
                                     int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
     const __m512i low = _mm512_set1_epi8(15);
@@ -268,18 +301,19 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const int PLANES, const tile_j
         }
         const int64_t sg = (t * groups + g) * TILE;
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->d + sg)));
-        const __m512 mv = job->m != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)))
-                                         : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
+        const __m512 mv = SUMS == SUMS_ONE_PLANE_SYMMETRIC ? dv   /* (unused) */
+                          : job->m != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)))
+                                           : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
         const int8_t *qg = job->q + i0 * 2 * k + g * GROUP;
         const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
-        acc0 = row_group(PLANES, acc0, u, qg, k, dv, mv, dxg[0], bxg[0]);
-        if (MB > 1) acc1 = row_group(PLANES, acc1, u, qg + 2 * k, k, dv, mv, dxg[groups], bxg[groups]);
-        if (MB > 2) acc2 = row_group(PLANES, acc2, u, qg + 4 * k, k, dv, mv, dxg[2 * groups], bxg[2 * groups]);
-        if (MB > 3) acc3 = row_group(PLANES, acc3, u, qg + 6 * k, k, dv, mv, dxg[3 * groups], bxg[3 * groups]);
-        if (MB > 4) acc4 = row_group(PLANES, acc4, u, qg + 8 * k, k, dv, mv, dxg[4 * groups], bxg[4 * groups]);
-        if (MB > 5) acc5 = row_group(PLANES, acc5, u, qg + 10 * k, k, dv, mv, dxg[5 * groups], bxg[5 * groups]);
-        if (MB > 6) acc6 = row_group(PLANES, acc6, u, qg + 12 * k, k, dv, mv, dxg[6 * groups], bxg[6 * groups]);
-        if (MB > 7) acc7 = row_group(PLANES, acc7, u, qg + 14 * k, k, dv, mv, dxg[7 * groups], bxg[7 * groups]);
+        acc0 = row_group(SUMS, acc0, u, qg, k, dv, mv, dxg[0], bxg[0]);
+        if (MB > 1) acc1 = row_group(SUMS, acc1, u, qg + 2 * k, k, dv, mv, dxg[groups], bxg[groups]);
+        if (MB > 2) acc2 = row_group(SUMS, acc2, u, qg + 4 * k, k, dv, mv, dxg[2 * groups], bxg[2 * groups]);
+        if (MB > 3) acc3 = row_group(SUMS, acc3, u, qg + 6 * k, k, dv, mv, dxg[3 * groups], bxg[3 * groups]);
+        if (MB > 4) acc4 = row_group(SUMS, acc4, u, qg + 8 * k, k, dv, mv, dxg[4 * groups], bxg[4 * groups]);
+        if (MB > 5) acc5 = row_group(SUMS, acc5, u, qg + 10 * k, k, dv, mv, dxg[5 * groups], bxg[5 * groups]);
+        if (MB > 6) acc6 = row_group(SUMS, acc6, u, qg + 12 * k, k, dv, mv, dxg[6 * groups], bxg[6 * groups]);
+        if (MB > 7) acc7 = row_group(SUMS, acc7, u, qg + 14 * k, k, dv, mv, dxg[7 * groups], bxg[7 * groups]);
     }
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
     store_tile_row(job, acc0, i0, t, mask);
@@ -294,17 +328,17 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const int PLANES, const tile_j
 
 /* Activation rows [i, end) against tile t, 8 at a time and the rest in one pass (every pass unpacks
  * the weights again: a speculative step's k + 1 rows or a small batch are one pass, not 4 + 2 + 1). */
-static ALWAYS_INLINE void rows_vnni(const int PLANES, const tile_job *job, int64_t t, int64_t i, int64_t end,
+static ALWAYS_INLINE void rows_vnni(const int SUMS, const tile_job *job, int64_t t, int64_t i, int64_t end,
                                     int nrows) {
-    for (; end - i >= 8; i += 8) tile_vnni(8, PLANES, job, t, i, nrows);
+    for (; end - i >= 8; i += 8) tile_vnni(8, SUMS, job, t, i, nrows);
     switch (end - i) {
-    case 7: tile_vnni(7, PLANES, job, t, i, nrows); break;
-    case 6: tile_vnni(6, PLANES, job, t, i, nrows); break;
-    case 5: tile_vnni(5, PLANES, job, t, i, nrows); break;
-    case 4: tile_vnni(4, PLANES, job, t, i, nrows); break;
-    case 3: tile_vnni(3, PLANES, job, t, i, nrows); break;
-    case 2: tile_vnni(2, PLANES, job, t, i, nrows); break;
-    case 1: tile_vnni(1, PLANES, job, t, i, nrows); break;
+    case 7: tile_vnni(7, SUMS, job, t, i, nrows); break;
+    case 6: tile_vnni(6, SUMS, job, t, i, nrows); break;
+    case 5: tile_vnni(5, SUMS, job, t, i, nrows); break;
+    case 4: tile_vnni(4, SUMS, job, t, i, nrows); break;
+    case 3: tile_vnni(3, SUMS, job, t, i, nrows); break;
+    case 2: tile_vnni(2, SUMS, job, t, i, nrows); break;
+    case 1: tile_vnni(1, SUMS, job, t, i, nrows); break;
     default: break;
     }
 }
@@ -312,8 +346,11 @@ static ALWAYS_INLINE void rows_vnni(const int PLANES, const tile_job *job, int64
 /* Kept out of line: the caller's loops and these register-hungry bodies are allocated apart. */
 __attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_t t, int64_t i, int64_t end,
                                                      int nrows) {
-    if (job->one_plane) rows_vnni(1, job, t, i, end, nrows);
-    else rows_vnni(2, job, t, i, end, nrows);
+    switch (job->sums) {
+    case SUMS_ONE_PLANE: rows_vnni(SUMS_ONE_PLANE, job, t, i, end, nrows); break;
+    case SUMS_ONE_PLANE_SYMMETRIC: rows_vnni(SUMS_ONE_PLANE_SYMMETRIC, job, t, i, end, nrows); break;
+    default: rows_vnni(SUMS_TWO_PLANES, job, t, i, end, nrows);
+    }
 }
 #endif
 
@@ -376,14 +413,15 @@ static inline void amx_unpack(const uint8_t *tg, uint8_t out[GROUP / 4][64]) {
  * x the group's weight operand w, to sums[0] (hi) and sums[1] (lo). gcc's tile load intrinsic does
  * not tell the compiler that it reads memory (nor, in some versions, the tile store that it writes):
  * hence the barriers. */
-static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int one_plane, int32_t sums[2][16][TILE]) {
+static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int one_plane,
+                             int32_t sums[2][16][TILE]) {
     __asm__ volatile("" ::: "memory");   /* w's unpacking is stored before the tile load reads it */
     _tile_loadd(2, w, 64);
     _tile_loadd(0, qg, 2 * k);
     _tile_zero(3);
     _tile_zero(4);
     _tile_dpbsud(3, 0, 2);
-    if (!one_plane) {   /* (else the lo plane is zeros: its sums stay 0) */
+    if (!one_plane) {   /* (one plane: the lo sums are not read) */
         _tile_loadd(1, qg + k, 2 * k);
         _tile_dpbsud(4, 1, 2);
     }
@@ -405,6 +443,21 @@ static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int one
  * 1.29x. */
 #define AMX_MIN_ROWS 10
 
+/* The float steps of group g's tile sums into the accumulators of rows [i0, i0 + m) (add_group_sums). */
+static ALWAYS_INLINE void amx_add_group(const int SUMS, const tile_job *job, __m512 *acc, int32_t sums[2][16][TILE],
+                                        int64_t t, int64_t g, int64_t i0, int m) {
+    const int64_t groups = job->groups, sg = (t * groups + g) * TILE;
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->d + sg)));
+    const __m512 mv = SUMS == SUMS_ONE_PLANE_SYMMETRIC ? dv   /* (unused) */
+                      : job->m != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)))
+                                       : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
+    const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
+    #pragma GCC unroll 16
+    for (int i = 0; i < 16 && i < m; i++)
+        acc[i] = add_group_sums(SUMS, acc[i], _mm512_load_si512(sums[0][i]), _mm512_load_si512(sums[1][i]), dv, mv,
+                                dxg[i * groups], bxg[i * groups]);
+}
+
 /* Activation rows [i0, i0 + m) against tile t, m the rows the tiles were configured for. */
 static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows, int m) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
@@ -424,18 +477,16 @@ static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows, int 
             const uint8_t *tg = tw + (g0 + b) * gbytes;
             prefetch_ahead(tg, gbytes);
             amx_group(job->bits == 4 ? (const void *)unpacked[ring][b] : tg, job->q + i0 * 2 * k + (g0 + b) * GROUP,
-                      k, job->one_plane, sums[b]);
+                      k, job->sums != SUMS_TWO_PLANES, sums[b]);
         }
         for (int b = 0; b < batch; b++) {
-            const int64_t g = g0 + b, sg = (t * groups + g) * TILE;
-            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->d + sg)));
-            const __m512 mv = job->m != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(job->m + sg)))
-                                             : _mm512_mul_ps(dv, _mm512_set1_ps(-job->zero));
-            const float *dxg = job->dx + i0 * groups + g, *bxg = job->bx + i0 * groups + g;
-            #pragma GCC unroll 16
-            for (int i = 0; i < 16 && i < m; i++)
-                acc[i] = add_group_sums(acc[i], _mm512_load_si512(sums[b][0][i]), _mm512_load_si512(sums[b][1][i]),
-                                        dv, mv, dxg[i * groups], bxg[i * groups]);
+            switch (job->sums) {
+            case SUMS_ONE_PLANE: amx_add_group(SUMS_ONE_PLANE, job, acc, sums[b], t, g0 + b, i0, m); break;
+            case SUMS_ONE_PLANE_SYMMETRIC:
+                amx_add_group(SUMS_ONE_PLANE_SYMMETRIC, job, acc, sums[b], t, g0 + b, i0, m);
+                break;
+            default: amx_add_group(SUMS_TWO_PLANES, job, acc, sums[b], t, g0 + b, i0, m);
+            }
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nrows) - 1);
@@ -444,10 +495,15 @@ static void tile_amx(const tile_job *job, int64_t t, int64_t i0, int nrows, int 
 #endif
 
 #if AVX2_TILES
-/* x16 += 254 hi + lo over a row of k: the two planes in one int16 plane, exactly (|x16| <= 32385). */
-static inline void combine_planes(const int8_t *hi, const int8_t *lo, int64_t k, int16_t *x16) {
+/* x16 = 254 hi + lo over a row of k: the two planes in one int16 plane, exactly (|x16| <= 32385); one
+ * plane: x16 = hi. */
+static inline void combine_planes(const int8_t *hi, const int8_t *lo, int64_t k, int one_plane, int16_t *x16) {
     for (int64_t i = 0; i < k; i += 16) {
         const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(hi + i)));
+        if (one_plane) {
+            _mm256_storeu_si256((__m256i *)(x16 + i), h);
+            continue;
+        }
         const __m256i l = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(lo + i)));
         _mm256_storeu_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_mullo_epi16(h, _mm256_set1_epi16(254)), l));
     }
@@ -475,12 +531,14 @@ static ALWAYS_INLINE __m256 group_scales_avx2(const tile_job *job, int64_t sg, _
     return dv;
 }
 
-/* ... an activation row's exact group sums (254 sh + sl per weight row, rows in order) into its
- * accumulator (at: the row's group index into dx and bx) ... */
+/* ... an activation row's exact group sums (254 sh + sl per weight row, rows in order; one plane: sh)
+ * into its accumulator (at: the row's group index into dx and bx) ... */
 static ALWAYS_INLINE __m256 add_group_avx2(const tile_job *job, __m256 acc, __m256i sums, __m256 dv, __m256 mv,
                                            int64_t at) {
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), acc);
-    return _mm256_fmadd_ps(mv, _mm256_set1_ps(job->bx[at]), acc);
+    const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(job->dx[at])), bx = _mm256_set1_ps(job->bx[at]);
+    if (job->sums == SUMS_ONE_PLANE_SYMMETRIC)
+        return _mm256_fmadd_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(sums), bx), scale, acc);
+    return _mm256_fmadd_ps(mv, bx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc));
 }
 
 /* ... and row i's 16 results (+ residual) to y. */
@@ -494,7 +552,8 @@ static ALWAYS_INLINE void store_row_avx2(const tile_job *job, const float *out, 
  * combined, x16 = 254 hi + lo, and the weights are widened to 16 bits, so one madd (pairs of s16 x
  * s16 -> s32) takes both planes: sum_k u x16 = 254 sh + sl, exact in int32 (at most 32 x 255 x 32385).
  * Its conversion to float is tile_generic's fmaf((float)sh, 254, (float)sl) (one rounding of the same
- * integer), and the float steps follow in its order: the same bits. */
+ * integer), and the float steps follow in its order: the same bits. (One plane: x16 = hi, sh alone, no
+ * faster.) */
 static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t, int64_t i0, int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = job->bits * GROUP * TILE / 8;
     const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi16(15);
@@ -546,11 +605,13 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
  * weight byte: the nibbles stay bytes and vpmaddubsw multiplies them by each int8 plane (u8 x s8, 32
  * products at once), whose pair sums (at most 2 x 15 x 127) add up over the group's 8 input quads in
  * int16 without overflow (8 x 3810 < 2^15); one madd by 254 (hi) and one by 1 (lo) then give the same
- * exact integer 254 sh + sl per weight row, in row order (no hadd), and the same float steps. */
+ * exact integer 254 sh + sl per weight row, in row order (no hadd), and the same float steps (one plane:
+ * sh, and no lo products). */
 static void tile_avx2_row4(const tile_job *job, int64_t t, int64_t i0, int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = 4 * GROUP * TILE / 8;
     const __m256i low = _mm256_set1_epi8(15), w254 = _mm256_set1_epi16(254), ones = _mm256_set1_epi16(1);
     const int8_t *hrow = job->q + i0 * 2 * k, *lrow = hrow + k;
+    const int two = job->sums == SUMS_TWO_PLANES;
     float out[TILE];
     for (int h = 0; h < 2; h++) {
         __m256 acc = _mm256_setzero_ps();
@@ -563,11 +624,14 @@ static void tile_avx2_row4(const tile_job *job, int64_t t, int64_t i0, int nrows
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * j));
                 const __m256i lo4 = _mm256_and_si256(v, low), hi4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(hq[j])));
-                sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(lq[j])));
                 sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(hq[4 + j])));
-                sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(lq[4 + j])));
+                if (two) {
+                    sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(lq[j])));
+                    sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(lq[4 + j])));
+                }
             }
-            const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(sh, w254), _mm256_madd_epi16(sl, ones));
+            const __m256i sums = two ? _mm256_add_epi32(_mm256_madd_epi16(sh, w254), _mm256_madd_epi16(sl, ones))
+                                     : _mm256_madd_epi16(sh, ones);
             __m256 mv;
             const __m256 dv = group_scales_avx2(job, (t * groups + g) * TILE + 8 * h, &mv);
             acc = add_group_avx2(job, acc, sums, dv, mv, i0 * groups + g);
@@ -631,15 +695,17 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
     const int fused = gated || norm_w != NULL;
     /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
-    const int one_plane = weight->int8_activations != 0;
+    const int sums = !weight->int8_activations ? SUMS_TWO_PLANES
+                     : weight->offsets != NULL ? SUMS_ONE_PLANE : SUMS_ONE_PLANE_SYMMETRIC;
     const tile_job job = {weight->packed, weight->scales, weight->offsets, (float)weight->zero, (int)weight->bits,
-                          one_plane, groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
+                          sums, groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < mrows; i++) {
         const float *row = prepare_row(x + i * ldx, k, gated, norm_w, eps, fused ? s->rows + i * k : NULL, generic);
-        quantize_row(row, k, one_plane, s->q + 2 * i * k, s->q + 2 * i * k + k, s->dx + i * groups, s->bx + i * groups);
+        quantize_row(row, k, sums, job.zero, s->q + 2 * i * k, s->q + 2 * i * k + k, s->dx + i * groups,
+                     s->bx + i * groups);
 #if AVX2_TILES
-        combine_planes(s->q + 2 * i * k, s->q + 2 * i * k + k, k, s->x16 + i * k);
+        combine_planes(s->q + 2 * i * k, s->q + 2 * i * k + k, k, sums != SUMS_TWO_PLANES, s->x16 + i * k);
 #endif
     }
     /* Rows in chunks of ROW_CHUNK, whose quantized activations stay in L2 while every tile of the

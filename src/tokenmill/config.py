@@ -619,7 +619,7 @@ class EngineConfig:
         "int16", "how the CPU kernel of quantized weights rounds the activations it multiplies, per group of 32: "
         "int16 (two int8 planes; each value within 2^-16 of its group's largest) | int8 (one plane, llama.cpp's "
         "rounding: about 2^8 times the rounding error, for half the integer products, which speeds up prefill and "
-        "batched decode where the CPU has AVX-512 VNNI or AMX; batch-1 decode reads the same weight bytes). "
+        "batched decode; batch-1 decode reads the same weight bytes). "
         "docs/ARCHITECTURE.md has bench quality's measurements of both", choices=ACTIVATION_PRECISIONS)
     weight_cache: bool = setting(True, "keep quantized weights converted at load (GGUF blocks repacked for the "
                                  "kernels, int8 / int4 quantization) in the cache folder, and read them there on the "

@@ -601,65 +601,84 @@ static ALWAYS_INLINE void tile_avx2(const int MB, const tile_job *job, int64_t t
     for (int r = 0; r < MB; r++) store_row_avx2(job, out[r], i0 + r, t, nrows);
 }
 
-/* tile_avx2 for one activation row of a 4-bit weight (a batch-1 decode step's), with less work per
- * weight byte: the nibbles stay bytes and vpmaddubsw multiplies them by each int8 plane (u8 x s8, 32
- * products at once), whose pair sums (at most 2 x 15 x 127) add up over the group's 8 input quads in
- * int16 without overflow (8 x 3810 < 2^15); one madd by 254 (hi) and one by 1 (lo) then give the same
- * exact integer 254 sh + sl per weight row, in row order (no hadd), and the same float steps (one plane:
- * sh, and no lo products). */
-static void tile_avx2_row4(const tile_job *job, int64_t t, int64_t i0, int nrows) {
+/* 4-bit weights with less work per weight byte than tile_avx2: the nibbles stay bytes and vpmaddubsw
+ * multiplies them by an int8 plane (u8 x s8, 32 products at once), whose pair sums (at most 2 x 15 x
+ * 127) add up over the group's 8 input quads in int16 without overflow (8 x 3810 < 2^15); a madd by 1
+ * (by 254 for the hi plane of two) then gives each weight row's exact integer in row order (no hadd),
+ * and the same float steps. With two planes only for one activation row (a batch-1 decode step, where
+ * the row's arithmetic competes with the weights' read: 254 sh + sl from both planes' products); with
+ * one plane (int8 activations, llama.cpp's products) for MB rows (1 to 8, constant at the call site). */
+static ALWAYS_INLINE void tile_avx2_nibbles(const int MB, const tile_job *job, int64_t t, int64_t i0, int nrows) {
     const int64_t groups = job->groups, k = job->k, gbytes = 4 * GROUP * TILE / 8;
     const __m256i low = _mm256_set1_epi8(15), w254 = _mm256_set1_epi16(254), ones = _mm256_set1_epi16(1);
-    const int8_t *hrow = job->q + i0 * 2 * k, *lrow = hrow + k;
-    const int two = job->sums == SUMS_TWO_PLANES;
-    float out[TILE];
+    const int two = job->sums == SUMS_TWO_PLANES;   /* (then MB is 1) */
+    float out[8][TILE];
     for (int h = 0; h < 2; h++) {
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[8];
+        for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *tg = job->w + (t * groups + g) * gbytes + 32 * h;
             if (h == 0) prefetch_ahead(tg, gbytes);
-            const int32_t *hq = (const int32_t *)(hrow + g * GROUP), *lq = (const int32_t *)(lrow + g * GROUP);
-            __m256i sh = _mm256_setzero_si256(), sl = sh;
+            const int8_t *qg = job->q + i0 * 2 * k + g * GROUP;   /* row r's hi plane at 2 k r, lo k after */
+            __m256i sh[8], sl = _mm256_setzero_si256();
+            for (int r = 0; r < MB; r++) sh[r] = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {  /* inputs 4j.. in the low nibbles, 16 + 4j.. in the high */
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(tg + 64 * j));
                 const __m256i lo4 = _mm256_and_si256(v, low), hi4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(hq[j])));
-                sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(hq[4 + j])));
+                for (int r = 0; r < MB; r++) {
+                    const int32_t *hq = (const int32_t *)(qg + 2 * k * r);
+                    sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(hq[j])));
+                    sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(hq[4 + j])));
+                }
                 if (two) {
+                    const int32_t *lq = (const int32_t *)(qg + k);
                     sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(lq[j])));
                     sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(lq[4 + j])));
                 }
             }
-            const __m256i sums = two ? _mm256_add_epi32(_mm256_madd_epi16(sh, w254), _mm256_madd_epi16(sl, ones))
-                                     : _mm256_madd_epi16(sh, ones);
             __m256 mv;
             const __m256 dv = group_scales_avx2(job, (t * groups + g) * TILE + 8 * h, &mv);
-            acc = add_group_avx2(job, acc, sums, dv, mv, i0 * groups + g);
+            for (int r = 0; r < MB; r++) {
+                const __m256i sums = two ? _mm256_add_epi32(_mm256_madd_epi16(sh[r], w254), _mm256_madd_epi16(sl, ones))
+                                         : _mm256_madd_epi16(sh[r], ones);
+                acc[r] = add_group_avx2(job, acc[r], sums, dv, mv, (i0 + r) * groups + g);
+            }
         }
-        _mm256_storeu_ps(out + 8 * h, acc);
+        for (int r = 0; r < MB; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
     }
-    store_row_avx2(job, out, i0, t, nrows);
+    for (int r = 0; r < MB; r++) store_row_avx2(job, out[r], i0 + r, t, nrows);
+}
+
+/* A block of MB rows (constant at the call site): the nibble products (NIBBLES) or tile_avx2's. */
+static ALWAYS_INLINE void block_avx2(const int MB, const int NIBBLES, const tile_job *job, int64_t t, int64_t i0,
+                                     int nrows) {
+    if (NIBBLES) tile_avx2_nibbles(MB, job, t, i0, nrows);
+    else tile_avx2(MB, job, t, i0, nrows);
 }
 
 /* Activation rows [i, end) against tile t in one pass (a block has at most MBLOCK = 8 rows): every
  * pass unpacks the tile's weights again, which at a few rows (a speculative step's k + 1, a small
- * batch) costs about as much as the rows' products, so 5 rows are not run as 4 + 1. */
-__attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_t t, int64_t i, int64_t end,
-                                                     int nrows) {
-    for (; end - i >= 8; i += 8) tile_avx2(8, job, t, i, nrows);
+ * batch) costs about as much as the rows' products, so 5 rows are not run as 4 + 1. A 4-bit weight
+ * takes the nibble products for a lone row, and for every block with one plane. */
+static ALWAYS_INLINE void rows_avx2(const int NIBBLES, const tile_job *job, int64_t t, int64_t i, int64_t end,
+                                    int nrows) {
+    for (; end - i >= 8; i += 8) block_avx2(8, NIBBLES, job, t, i, nrows);
     switch (end - i) {
-    case 7: tile_avx2(7, job, t, i, nrows); break;
-    case 6: tile_avx2(6, job, t, i, nrows); break;
-    case 5: tile_avx2(5, job, t, i, nrows); break;
-    case 4: tile_avx2(4, job, t, i, nrows); break;
-    case 3: tile_avx2(3, job, t, i, nrows); break;
-    case 2: tile_avx2(2, job, t, i, nrows); break;
-    case 1:
-        if (job->bits == 4) tile_avx2_row4(job, t, i, nrows);
-        else tile_avx2(1, job, t, i, nrows);
-        break;
+    case 7: block_avx2(7, NIBBLES, job, t, i, nrows); break;
+    case 6: block_avx2(6, NIBBLES, job, t, i, nrows); break;
+    case 5: block_avx2(5, NIBBLES, job, t, i, nrows); break;
+    case 4: block_avx2(4, NIBBLES, job, t, i, nrows); break;
+    case 3: block_avx2(3, NIBBLES, job, t, i, nrows); break;
+    case 2: block_avx2(2, NIBBLES, job, t, i, nrows); break;
+    case 1: block_avx2(1, NIBBLES || job->bits == 4, job, t, i, nrows); break;
     default: break;
     }
+}
+
+__attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_t t, int64_t i, int64_t end,
+                                                     int nrows) {
+    if (job->bits == 4 && job->sums != SUMS_TWO_PLANES) rows_avx2(1, job, t, i, end, nrows);
+    else rows_avx2(0, job, t, i, end, nrows);
 }
 #endif
 

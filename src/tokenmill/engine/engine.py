@@ -135,8 +135,8 @@ class LLMEngine:
         quantized = runs_quantized(ckpt, config.quantization, self.device)
         if config.activation_precision != "int16" and not quantized:   # (it would change nothing)
             raise TokenmillError(f"activation_precision {config.activation_precision}: it applies to quantized "
-                                 f"weights on CPU, and this model's run dense on {self.device} (quantization "
-                                 f"{config.quantization})")
+                                 f"weights on CPU, and this model's weights run dense on {self.device} "
+                                 f"(quantization {config.quantization})")
         self.dtype = resolve_dtype(config.dtype, self.device, quantized)
         self.workers: TPWorkers | None = None
         if tp_size > 1:

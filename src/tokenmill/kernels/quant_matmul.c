@@ -421,7 +421,7 @@ static inline void amx_group(const void *w, const int8_t *qg, int64_t k, int one
     _tile_zero(3);
     _tile_zero(4);
     _tile_dpbsud(3, 0, 2);
-    if (!one_plane) {   /* (one plane: the lo sums are not read) */
+    if (!one_plane) {   /* (one plane: the lo sums stay zero, and add_group_sums ignores them) */
         _tile_loadd(1, qg + k, 2 * k);
         _tile_dpbsud(4, 1, 2);
     }
@@ -713,9 +713,9 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
     const int64_t k = weight->in_features, n = weight->out_features;
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE, ldx = gated ? 2 * k : k;
     const int fused = gated || norm_w != NULL;
-    /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
     const int sums = !weight->int8_activations ? SUMS_TWO_PLANES
                      : weight->offsets != NULL ? SUMS_ONE_PLANE : SUMS_ONE_PLANE_SYMMETRIC;
+    /* each thread's own copy, on its own stack: no cache line shared with another thread's spills */
     const tile_job job = {weight->packed, weight->scales, weight->offsets, (float)weight->zero, (int)weight->bits,
                           sums, groups, k, n, s->q, s->dx, s->bx, s->x16, residual, y};
     #pragma omp for schedule(static)

@@ -108,7 +108,8 @@ def load_model(ckpt: GGUFCheckpoint | HFCheckpoint, dtype: torch.dtype, device: 
             module.int8_activations = int8_activations
     model.set_up(ckpt)
     model.eval()
-    logger.info("weights (quantization %s%s): %s", quantization, f", read from {entry}" if cached else "",
+    logger.info("weights (quantization %s%s%s): %s", quantization, ", int8 activations" if int8_activations else "",
+                f", read from {entry}" if cached else "",
                 ", ".join(f"{form} x{count}" for form, count in weight_forms(model).items()))
     return model, config
 

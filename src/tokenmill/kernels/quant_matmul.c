@@ -5,8 +5,9 @@
  * GGUF's Q4_0/Q4_1/Q4_K (4 bits), Q5_0/Q5_1/Q5_K/Q8_0 (8 bits, e.g. Q8_0: u = q + 128, m = -128 d) and any
  * other weight requantized to 8 bits per group. A symmetric weight (every m = -z d for one integer z:
  * Q4_0, Q5_0, Q8_0) stores no m: the kernels form -z d from d (exact in fp32: an fp16 value times an
- * integer below 2^8), so its results are the bits of the same weight with m stored, from 1/10 fewer
- * bytes at 4 bits (decode reads every weight byte once per step).
+ * integer below 2^8), so with two activation planes its results are the bits of the same weight with m
+ * stored, from 1/10 fewer bytes at 4 bits (decode reads every weight byte once per step); with one plane
+ * it has a formula of its own (below), equal to float32 rounding.
  *
  * Activations: each row's group of 32 is split on entry into two int8 planes (quantize_row):
  * x[k] ~ x^[k] = dx[g] (254 hi[k] + lo[k]), where hi is the plain int8 rounding that llama.cpp uses

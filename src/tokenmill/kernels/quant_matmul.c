@@ -145,10 +145,14 @@ static void quantize_row(const float *x, int64_t k, int sums, float zero, int8_t
         __m256 planes = _mm256_setzero_ps();   /* 254 h + l (one plane: h), summed per lane */
         for (int j = 0; j < 4; j++) {
             const __m256 h = _mm256_round_ps(_mm256_mul_ps(xv[j], vinv), round);
+            hv[j] = _mm256_cvtps_epi32(h);
+            if (sums != SUMS_TWO_PLANES) {
+                planes = _mm256_add_ps(planes, h);
+                continue;
+            }
             __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(xv[j], _mm256_mul_ps(h, vstep)), vfine), round);
             l = _mm256_min_ps(_mm256_max_ps(l, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-            planes = _mm256_add_ps(planes, sums == SUMS_TWO_PLANES ? _mm256_fmadd_ps(h, _mm256_set1_ps(254.0f), l) : h);
-            hv[j] = _mm256_cvtps_epi32(h);
+            planes = _mm256_add_ps(planes, _mm256_fmadd_ps(h, _mm256_set1_ps(254.0f), l));
             lv[j] = _mm256_cvtps_epi32(l);
         }
         _mm256_storeu_si256((__m256i *)(hi + g * GROUP), pack_bytes(hv));
@@ -158,11 +162,15 @@ static void quantize_row(const float *x, int64_t k, int sums, float zero, int8_t
         float sum = 0.0f;
         for (int i = 0; i < GROUP; i++) {
             const float h = nearbyintf(xg[i] * inv);
+            hi[g * GROUP + i] = (int8_t)h;
+            if (sums != SUMS_TWO_PLANES) {
+                sum += h;
+                continue;
+            }
             float l = nearbyintf((xg[i] - h * step) * inv_fine);
             l = l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
-            hi[g * GROUP + i] = (int8_t)h;
             lo[g * GROUP + i] = (int8_t)l;
-            sum += sums == SUMS_TWO_PLANES ? 254.0f * h + l : h;
+            sum += 254.0f * h + l;
         }
 #endif
         if (sums == SUMS_TWO_PLANES) {

@@ -103,6 +103,7 @@ def quantize_activations(x: torch.Tensor, one_plane: bool = False) -> tuple[torc
     int8 activations, x ~ step hi: (hi, step, its sums)."""
     g = x.float().view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
+    amax = torch.where(amax < 127 * 254 * torch.finfo(torch.float32).tiny, torch.zeros_like(amax), amax)
     step = amax / 127
     fine = step / 254
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
@@ -257,6 +258,26 @@ def test_int8_activations_multiply_the_hi_plane_alone(bits, symmetric):
     exact = x.double() @ w.t()
     error_one, error_two = ((out.double() - exact).norm() / exact.norm() for out in (y, two))
     assert 1e-3 < error_one < 2e-2 and error_one > 50 * error_two
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_tiny_activation_groups_are_quantized_as_zeros(bits, int8_activations):
+    """A group of activations too small for its quantization steps to be normal floats (1 / step would
+    overflow) is quantized as zeros, on every path, rather than making the row's outputs NaN."""
+    weight = QuantWeight(random_block_quant(48, 256, bits, seed=1), torch.float32)
+    weight.int8_activations = int8_activations
+    x = torch.randn(4, 256)
+    x[1, 64:96] = torch.randn(32) * 1e-38   # one tiny group (denormal values)
+    x[2] = torch.randn(256) * 1e-36         # a whole row of them
+    x[3, 32:64] = torch.randn(32) * 1e-34   # fine steps below the normal range
+    y = weight.matmul(x)
+    assert torch.equal(y, kernels.quant_matmul(x, weight.plan(), generic=True))
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[2], torch.zeros(48))
+    dropped = x.clone()
+    dropped[1, 64:96] = dropped[2] = dropped[3, 32:64] = 0
+    assert torch.equal(y, weight.matmul(dropped))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -34,6 +34,7 @@
  * lanes, and lane r accumulates row r: no horizontal sums.
  */
 #define _GNU_SOURCE   /* syscall (AMX's permission) */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -91,6 +92,12 @@ enum {
     SUMS_ONE_PLANE_SYMMETRIC = 2 /* (sum u hi - bx) d dx, bx = zero sum hi */
 };
 
+/* The smallest group maximum quantized as it is: below it the fine step amax / (127 x 254) would not be a
+ * normal float, and 1 / step or 1 / fine overflow (NaN planes and sums, and every output of the row NaN).
+ * A group that small is quantized as zeros: what it drops is below float32's resolution of any output
+ * that has a normal-sized term. */
+#define MIN_AMAX (127.0f * 254.0f * FLT_MIN)
+
 /* Per group: step = amax / 127, fine = step / 254; hi = round(x / step), lo = round((x - hi step) / fine)
  * clamped to +-127; dx = fine, bx = the sum of the group's quantized activations, fine sum (254 hi + lo):
  * an integer of at most 32 x 32385 < 2^24, so every float order of the sum gives it exactly, and the
@@ -117,6 +124,7 @@ static void quantize_row(const float *x, int64_t k, int sums, float zero, int8_t
 #else
         for (int i = 0; i < GROUP; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
 #endif
+        if (amax < MIN_AMAX) amax = 0.0f;   /* (a NaN stays, and makes the row's outputs NaN) */
         const float step = amax / 127.0f, fine = step / 254.0f;
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv_fine = amax > 0.0f ? 1.0f / fine : 0.0f;
 #ifdef HAVE_AVX512

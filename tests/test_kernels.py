@@ -978,7 +978,8 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     where the quantized matmul takes its AVX2 path: exactly the sums of this machine's build and of the
     portable loops, for 4- and 8-bit weights (u up to 255, where a plain u8 x s8 pair sum saturates),
     1 to 9 rows (a run of every length from 1 to 8; one row of a 4-bit weight takes its own maddubs
-    form), a partial last tile, the fused norm, a residual.
+    form), a partial last tile, the fused norm, a residual; with two activation planes and with one
+    (int8 activations: a 4-bit weight's nibble products at every run length).
     The fused gating (a vectorized exp / tanh in every SIMD build, `generic` or not) == the activation
     computed by torch and then the kernel, to float32 rounding."""
     import torch.nn.functional as F
@@ -1003,10 +1004,14 @@ def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):
     def run(generic: bool = False) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         exact, gated = [], []
         for weight, x, residual, norm in cases:
-            plan = weight.plan()
             gate, up = x.chunk(2, dim=-1)
-            exact.append(kernels.quant_matmul(gate, plan, generic=generic))
-            exact.append(kernels.quant_matmul(up, plan, norm=norm, residual=residual, generic=generic))
+            for int8_activations in (False, True):
+                weight.int8_activations = int8_activations
+                plan = weight.plan()
+                exact.append(kernels.quant_matmul(gate, plan, generic=generic))
+                exact.append(kernels.quant_matmul(up, plan, norm=norm, residual=residual, generic=generic))
+            weight.int8_activations = False
+            plan = weight.plan()
             gated.append((kernels.quant_matmul(x, plan, gated="silu", norm=norm, residual=residual, generic=generic),
                           kernels.quant_matmul(F.silu(gate) * up, plan, norm=norm, residual=residual,
                                                generic=generic)))

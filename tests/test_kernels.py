@@ -942,20 +942,24 @@ def test_auto_dtype_is_float32_when_weights_run_quantized(monkeypatch, tiny_hf_m
 
 def test_portable_build_without_avx512(monkeypatch):
     """The kernels compiled for a baseline x86-64 CPU (no AVX-512, no VNNI: the portable C paths)
-    give the quantized matmul's exact sums, the same RMSNorm bits and the same attention as this
-    machine's build."""
+    give the quantized matmul's exact sums (two activation planes or one), the same RMSNorm bits and
+    the same attention as this machine's build."""
     from tokenmill.layers.quant import QuantWeight, quantize
 
     weight = QuantWeight(quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(1)), 4), torch.float32)
+    one_plane = QuantWeight(quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(2)), 4),
+                            torch.float32)
+    one_plane.int8_activations = True
     x = torch.randn(5, 96)
     q, cache, tables, seq_lens = random_paged_batch([3, 40, 17], 6, 2, 64, 16, torch.float32, seed=8)
 
     rows, norm_weight = torch.randn(6, 100) * 7, torch.rand(100) + 0.5
 
-    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return (kernels.quant_matmul(x, weight.plan()),
                 kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125),
-                kernels.rms_norm(rows, norm_weight, 1e-5))
+                kernels.rms_norm(rows, norm_weight, 1e-5),
+                kernels.quant_matmul(x, one_plane.plan()))
 
     native = run()
     if kernels.load().quant_matmul_has_simd():
@@ -971,6 +975,7 @@ def test_portable_build_without_avx512(monkeypatch):
     assert torch.equal(portable[0], native[0])
     torch.testing.assert_close(portable[1], native[1], atol=2e-6, rtol=1e-5)
     assert torch.equal(portable[2], native[2])
+    assert torch.equal(portable[3], native[3])
 
 
 def test_avx2_build_gives_the_same_quantized_matmul(monkeypatch):

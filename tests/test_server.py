@@ -158,6 +158,17 @@ def test_health_is_503_while_loading_then_ok_and_binds_localhost(server):
     assert "curl " in server.log()
 
 
+def test_the_printed_curl_example_answers_the_same_every_time(server):
+    """The request in the command the server prints once ready (the README's too) is the first thing a
+    user tries: it answers its question, and the same way each time (greedy, not the API's default
+    temperature 1, at which this small model's answer wanders)."""
+    printed = re.search(r"curl (\S+) .*?-d '(\{.*?\})'", server.log())
+    assert printed and printed.group(1) == server.base + "/v1/chat/completions"
+    answers = {httpx.post(printed.group(1), json=json.loads(printed.group(2)), headers=auth(KEY),
+                          timeout=300).json()["choices"][0]["message"]["content"] for _ in range(3)}
+    assert answers == {"The capital of France is Paris."}
+
+
 # ---- completions -----------------------------------------------------------------------------------
 
 def test_completion_usage_matches_tokenizer_and_stream_matches(client, model_name, tokenizer, greedy):

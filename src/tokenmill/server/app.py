@@ -491,9 +491,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def curl_example(base_url: str, model: str, api_key: bool) -> str:
+    """The request the server suggests once ready. Greedy: at the API's default temperature (1) a
+    small model's answer wanders from one try to the next; the first one a user sees should not."""
     auth = ' -H "Authorization: Bearer $TOKENMILL_API_KEY"' if api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 32})
+                       "max_tokens": 32, "temperature": 0})
     return f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 

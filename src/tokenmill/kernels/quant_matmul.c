@@ -49,11 +49,16 @@
 #include <unistd.h>
 #endif
 
-/* CPUs with AVX2 but not VNNI take tile_avx2 */
+/* CPUs with AVX2 but not VNNI take tile_avx2; SIMD_TILES: either kind of SIMD tiles (tile_rows_simd) */
 #if defined(HAVE_AVX2) && !defined(HAVE_VNNI)
 #define AVX2_TILES 1
 #else
 #define AVX2_TILES 0
+#endif
+#if defined(HAVE_VNNI) || AVX2_TILES
+#define SIMD_TILES 1
+#else
+#define SIMD_TILES 0
 #endif
 
 #define TILE 16
@@ -343,31 +348,10 @@ static ALWAYS_INLINE void tile_vnni(const int MB, const int SUMS, const tile_job
     if (MB > 7) store_tile_row(job, acc7, i0 + 7, t, mask);
 }
 
-/* Activation rows [i, end) against tile t, 8 at a time and the rest in one pass (every pass unpacks
- * the weights again: a speculative step's k + 1 rows or a small batch are one pass, not 4 + 2 + 1). */
-static ALWAYS_INLINE void rows_vnni(const int SUMS, const tile_job *job, int64_t t, int64_t i, int64_t end,
-                                    int nrows) {
-    for (; end - i >= 8; i += 8) tile_vnni(8, SUMS, job, t, i, nrows);
-    switch (end - i) {
-    case 7: tile_vnni(7, SUMS, job, t, i, nrows); break;
-    case 6: tile_vnni(6, SUMS, job, t, i, nrows); break;
-    case 5: tile_vnni(5, SUMS, job, t, i, nrows); break;
-    case 4: tile_vnni(4, SUMS, job, t, i, nrows); break;
-    case 3: tile_vnni(3, SUMS, job, t, i, nrows); break;
-    case 2: tile_vnni(2, SUMS, job, t, i, nrows); break;
-    case 1: tile_vnni(1, SUMS, job, t, i, nrows); break;
-    default: break;
-    }
-}
-
-/* Kept out of line: the caller's loops and these register-hungry bodies are allocated apart. */
-__attribute__((noinline)) static void tile_rows_vnni(const tile_job *job, int64_t t, int64_t i, int64_t end,
-                                                     int nrows) {
-    switch (job->sums) {
-    case SUMS_ONE_PLANE: rows_vnni(SUMS_ONE_PLANE, job, t, i, end, nrows); break;
-    case SUMS_ONE_PLANE_SYMMETRIC: rows_vnni(SUMS_ONE_PLANE_SYMMETRIC, job, t, i, end, nrows); break;
-    default: rows_vnni(SUMS_TWO_PLANES, job, t, i, end, nrows);
-    }
+/* A block of MB rows for rows_simd (below); FORM: the SUMS_* form. */
+static ALWAYS_INLINE void simd_block(const int MB, const int FORM, const tile_job *job, int64_t t, int64_t i0,
+                                     int nrows) {
+    tile_vnni(MB, FORM, job, t, i0, nrows);
 }
 #endif
 
@@ -666,36 +650,49 @@ static ALWAYS_INLINE void tile_avx2_nibbles(const int MB, const tile_job *job, i
     for (int r = 0; r < MB; r++) store_row_avx2(job, out[r], i0 + r, t, nrows);
 }
 
-/* A block of MB rows (constant at the call site): the nibble products (NIBBLES) or tile_avx2's. */
-static ALWAYS_INLINE void block_avx2(const int MB, const int NIBBLES, const tile_job *job, int64_t t, int64_t i0,
+/* A block of MB rows for rows_simd (below): a 4-bit weight takes the nibble products with one plane
+ * (FORM 1) and for a lone row; everything else tile_avx2's. */
+static ALWAYS_INLINE void simd_block(const int MB, const int FORM, const tile_job *job, int64_t t, int64_t i0,
                                      int nrows) {
-    if (NIBBLES) tile_avx2_nibbles(MB, job, t, i0, nrows);
+    if (FORM || (MB == 1 && job->bits == 4)) tile_avx2_nibbles(MB, job, t, i0, nrows);
     else tile_avx2(MB, job, t, i0, nrows);
 }
+#endif
 
-/* Activation rows [i, end) against tile t in one pass (a block has at most MBLOCK = 8 rows): every
- * pass unpacks the tile's weights again, which at a few rows (a speculative step's k + 1, a small
- * batch) costs about as much as the rows' products, so 5 rows are not run as 4 + 1. A 4-bit weight
- * takes the nibble products for a lone row, and for every block with one plane. */
-static ALWAYS_INLINE void rows_avx2(const int NIBBLES, const tile_job *job, int64_t t, int64_t i, int64_t end,
+#if SIMD_TILES
+/* Activation rows [i, end) against tile t, 8 at a time and the rest in one pass of the build's
+ * simd_block (MB constant at each call): every pass unpacks the tile's weights again, which at a few
+ * rows (a speculative step's k + 1, a small batch) costs about as much as the rows' products, so 5
+ * rows are one pass, not 4 + 1. */
+static ALWAYS_INLINE void rows_simd(const int FORM, const tile_job *job, int64_t t, int64_t i, int64_t end,
                                     int nrows) {
-    for (; end - i >= 8; i += 8) block_avx2(8, NIBBLES, job, t, i, nrows);
+    for (; end - i >= 8; i += 8) simd_block(8, FORM, job, t, i, nrows);
     switch (end - i) {
-    case 7: block_avx2(7, NIBBLES, job, t, i, nrows); break;
-    case 6: block_avx2(6, NIBBLES, job, t, i, nrows); break;
-    case 5: block_avx2(5, NIBBLES, job, t, i, nrows); break;
-    case 4: block_avx2(4, NIBBLES, job, t, i, nrows); break;
-    case 3: block_avx2(3, NIBBLES, job, t, i, nrows); break;
-    case 2: block_avx2(2, NIBBLES, job, t, i, nrows); break;
-    case 1: block_avx2(1, NIBBLES || job->bits == 4, job, t, i, nrows); break;
+    case 7: simd_block(7, FORM, job, t, i, nrows); break;
+    case 6: simd_block(6, FORM, job, t, i, nrows); break;
+    case 5: simd_block(5, FORM, job, t, i, nrows); break;
+    case 4: simd_block(4, FORM, job, t, i, nrows); break;
+    case 3: simd_block(3, FORM, job, t, i, nrows); break;
+    case 2: simd_block(2, FORM, job, t, i, nrows); break;
+    case 1: simd_block(1, FORM, job, t, i, nrows); break;
     default: break;
     }
 }
 
-__attribute__((noinline)) static void tile_rows_avx2(const tile_job *job, int64_t t, int64_t i, int64_t end,
+/* Kept out of line: the caller's loops and these register-hungry bodies are allocated apart. Each form
+ * a compile-time constant: VNNI's three SUMS_* forms; AVX2's nibble products (1) or not (0). */
+__attribute__((noinline)) static void tile_rows_simd(const tile_job *job, int64_t t, int64_t i, int64_t end,
                                                      int nrows) {
-    if (job->bits == 4 && job->sums != SUMS_TWO_PLANES) rows_avx2(1, job, t, i, end, nrows);
-    else rows_avx2(0, job, t, i, end, nrows);
+#ifdef HAVE_VNNI
+    switch (job->sums) {
+    case SUMS_ONE_PLANE: rows_simd(SUMS_ONE_PLANE, job, t, i, end, nrows); break;
+    case SUMS_ONE_PLANE_SYMMETRIC: rows_simd(SUMS_ONE_PLANE_SYMMETRIC, job, t, i, end, nrows); break;
+    default: rows_simd(SUMS_TWO_PLANES, job, t, i, end, nrows);
+    }
+#else
+    if (job->bits == 4 && job->sums != SUMS_TWO_PLANES) rows_simd(1, job, t, i, end, nrows);
+    else rows_simd(0, job, t, i, end, nrows);
+#endif
 }
 #endif
 
@@ -770,14 +767,9 @@ void quant_matmul_team(const float *x, int64_t mrows, const tm_weight *weight, i
                     continue;
                 }
 #endif
-#ifdef HAVE_VNNI
+#if SIMD_TILES
                 if (!generic) {
-                    tile_rows_vnni(&job, t, i, end, nrows);
-                    continue;
-                }
-#elif AVX2_TILES
-                if (!generic) {
-                    tile_rows_avx2(&job, t, i, end, nrows);
+                    tile_rows_simd(&job, t, i, end, nrows);
                     continue;
                 }
 #endif

@@ -55,16 +55,18 @@ def decode_step(args: argparse.Namespace):
 
     layers = [(cache(), cache()) for _ in range(args.layers)]
     order = torch.randperm(pool - 1) if args.order == "random" else torch.arange(pool - 1)
-    tables = order[:blocks * args.batch].view(args.batch, blocks).contiguous()
-    lens = torch.full((args.batch,), args.context, dtype=torch.int64)
-    q = torch.randn(args.batch, args.heads, args.head_dim)
+    # each request as --verify-rows entries over its table, at consecutive lengths (a verify step's rows)
+    tables = order[:blocks * args.batch].view(args.batch, blocks).repeat_interleave(args.verify_rows, 0).contiguous()
+    lens = (torch.arange(args.context - args.verify_rows + 1, args.context + 1)).repeat(args.batch)
+    entries = len(lens)
+    q = torch.randn(entries, args.heads, args.head_dim)
     threads = torch.get_num_threads()
 
     def step(lib: ctypes.CDLL) -> torch.Tensor:
         out = torch.empty_like(q)
         for k, v in layers:
             lib.paged_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), kernels.KV_TYPES[k.dtype], tables.data_ptr(),
-                             blocks, lens.data_ptr(), out.data_ptr(), args.batch, args.heads, args.kv_heads,
+                             blocks, lens.data_ptr(), out.data_ptr(), entries, args.heads, args.kv_heads,
                              args.head_dim, BLOCK, k.stride(0), args.head_dim**-0.5, 0, 0.0, threads, 0)
         return out
     return step
@@ -125,6 +127,8 @@ def main() -> None:
     parser.add_argument("kernel", choices=["decode", "prefill", "matmul"])
     parser.add_argument("--context", type=int, default=8192, help="decode and prefill: tokens in the cache")
     parser.add_argument("--batch", type=int, default=1, help="decode: requests in the step")
+    parser.add_argument("--verify-rows", type=int, default=1,
+                        help="decode: query rows per request (a speculative verify step's k + 1)")
     parser.add_argument("--layers", type=int, default=30, help="decode and prefill: calls per step")
     parser.add_argument("--heads", type=int, default=9, help="decode and prefill")
     parser.add_argument("--kv-heads", type=int, default=3, help="decode and prefill")

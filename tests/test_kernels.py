@@ -421,6 +421,45 @@ def test_split_decode_equals_exact_attention(generic, dtype, window, softcap):
             assert torch.equal(got[1], unsplit[1])
 
 
+def check_verify_rows(dtype, window, softcap, heads, kv_heads, head_dim, block_size) -> None:
+    """A speculative verify step enters a request as consecutive rows over one block table (the
+    runner's k + 1 entries); the kernel takes such rows in one task per kv head (paged_decode.c,
+    "Verify rows"). Every entry's output == the entry decoded alone, bit for bit: 7- and 3-row
+    requests beside a plain one, and a request whose rows are consecutive in length but whose second
+    entry reads another table (taken together they would read the wrong blocks)."""
+    lens = [40, 23, 90, 61, 62]
+    _, cache, tables, _ = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim)
+    rows = [(0, 34 + j) for j in range(7)] + [(1, 23)] + [(2, 88 + j) for j in range(3)] + [(3, 61), (4, 62)]
+    entry_tables = tables[[b for b, _ in rows]]
+    seq_lens = torch.tensor([n for _, n in rows])
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(2)).to(query_dtype(dtype))
+    options = {"sliding_window": window, "logit_softcap": softcap}
+    got = kernels.paged_decode(q, cache[0], cache[1], entry_tables, seq_lens, head_dim**-0.5, **options)
+    for i in range(len(rows)):
+        alone = kernels.paged_decode(q[i:i + 1], cache[0], cache[1], entry_tables[i:i + 1], seq_lens[i:i + 1],
+                                     head_dim**-0.5, **options)
+        assert torch.equal(got[i], alone[0]), f"entry {i} (request {rows[i][0]}, length {rows[i][1]})"
+    reference = torch_reference(heads, kv_heads, head_dim, window, softcap, cache)._decode(
+        q.float(), cache[0], cache[1], entry_tables, seq_lens)
+    torch.testing.assert_close(got.float(), reference.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (20, None), (None, 1.5)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 2, 80, 4)])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_verify_rows_equal_their_rows_decoded_alone(dtype, window, softcap, heads, kv_heads, head_dim, block_size,
+                                                    threads):
+    """check_verify_rows on 1, 2 and 4 threads (how a request's rows are cut into tasks depends on
+    the thread count)."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        check_verify_rows(dtype, window, softcap, heads, kv_heads, head_dim, block_size)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def exact_prefill_options(q, cache, table, seq_len, block_size, scale, window, softcap):
     """float64 causal attention of q [n, heads, d] (the last n positions of seq_len) with a window and
     a softcap."""
@@ -1061,8 +1100,9 @@ def test_avx2_build_bf16_matmul_equals_the_exact_product(monkeypatch):
 
 def test_avx2_build_attention_kernels_equal_exact_attention(monkeypatch):
     """The attention kernels compiled for x86-64-v3 (their SIMD code on 8-lane vectors, where an
-    AVX-512 machine runs 16) == float64 attention: decode and prefill, every cache dtype (a bf16 row in
-    even/odd order per 16 values), head_dim 64 to 256 (up to 32 vectors a row), a window and a softcap.
+    AVX-512 machine runs 16) == float64 attention: decode (verify rows too) and prefill, every cache
+    dtype (a bf16 row in even/odd order per 16 values), head_dim 64 to 256 (up to 32 vectors a row),
+    a window and a softcap.
     On an AVX-512 machine this is the only test that runs those paths."""
     if not all(f in kernels.cpu_flags().split() for f in ("avx2", "fma", "f16c")):
         pytest.skip("this CPU cannot run an AVX2 build")
@@ -1084,6 +1124,7 @@ def test_avx2_build_attention_kernels_equal_exact_attention(monkeypatch):
                 expected = torch_reference(heads, kv_heads, head_dim, 17, 1.5, cache)._decode(
                     q, cache[0], cache[1], tables, seq_lens)
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+                check_verify_rows(dtype, 17, 1.5, heads, kv_heads, head_dim, block_size)
                 prefills = [(333, 5, None, None), (100, 100, 17, 1.5), (64, 63, None, 30.0)]
                 for seq_len, num_q, window, softcap in prefills:
                     b = lens.index(seq_len) if seq_len in lens else 3   # (64 of request 3's 100 tokens)

@@ -246,8 +246,9 @@ int paged_decode_rotary(const float *qkv, const float *cos, const float *sin, co
                         float softcap, const float *q_norm, const float *k_norm, float qk_norm_eps, int num_threads,
                         int generic);
 /* A decode step's scratch for a team (paged_decode.c): the rotated queries [batch][heads][head_dim],
- * each request's runs and keys per run [2 batch + 1] (flash-decoding's split), and the runs'
- * partial outputs and softmax stats, for up to `heads` x head_dim per request. */
+ * each request's runs and keys per run [2 batch + 1] (flash-decoding's split) and each entry's task
+ * rows [batch] (paged_decode.c "Verify rows"), and the runs' partial outputs and softmax stats, for
+ * up to `heads` x head_dim per request. */
 typedef struct {
     float *q;
     int64_t *runs;

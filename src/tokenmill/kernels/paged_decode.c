@@ -38,30 +38,44 @@ typedef struct {
     float scale, softcap;
 } decode_step;
 
-/* One (request, kv head) task. Its keys are the positions [first, len), visited block by block
- * without a division per token:
+/* One (request, kv head) task: the kv head's `group` query heads of `rows` consecutive query rows
+ * of one request (more than one row: a speculative verify step's, "Verify rows" below), row r at
+ * position len - rows + r. Its keys are the positions [first, len), visited block by block without
+ * a division per token:
  *     for (blk = first / block_size; blk * block_size < len; blk++)
  *         for (s = slot_begin(t, blk); s < slot_end(t, blk); s++)      (position blk * block_size + s)
- * and its scores are indexed from `first`. */
+ * and its scores are indexed from `first`; each row's scores outside its own keys are -inf. */
 typedef struct {
-    const float *q;          /* the group's query heads [group, head_dim] */
-    float *out;              /* and their outputs */
+    const float *q;          /* row 0's query heads of the group [group, head_dim], row r at r * row_stride */
+    float *out;              /* and their outputs, laid out the same */
     const void *k, *v;
     const int64_t *table;    /* the request's block table */
-    float *stats;            /* a split's softmax max and sum per query head [group][2], or NULL */
-    int64_t first, len, group, kv_heads, kh, head_dim, block_size, block_stride;
+    float *stats;            /* a split's softmax max and sum per query head [group][2], or NULL (1 row) */
+    int64_t first, len, rows, row_stride, window, group, kv_heads, kh, head_dim, block_size, block_stride;
     float scale, softcap;
 } decode_task;
 
-static inline decode_task task_of(const decode_step *a, int64_t b, int64_t kh) {
-    const int64_t group = a->heads / a->kv_heads, len = a->seq_lens[b];
+/* The first key position a query at `position` sees (its sliding window's start, or 0). */
+static inline int64_t first_key(int64_t position, int64_t window) {
+    return window > 0 && position + 1 > window ? position + 1 - window : 0;
+}
+
+/* The task of kv head kh for entries b .. b + rows - 1 (one request's consecutive rows: verify_rows). */
+static inline decode_task task_of(const decode_step *a, int64_t b, int64_t kh, int64_t rows) {
+    const int64_t group = a->heads / a->kv_heads, len = a->seq_lens[b + rows - 1];
     return (decode_task){
         .q = a->q + (b * a->heads + kh * group) * a->head_dim,
         .out = a->out + (b * a->heads + kh * group) * a->head_dim,
-        .k = a->k, .v = a->v, .table = a->block_tables + b * a->max_blocks, .stats = NULL,
-        .first = a->window > 0 && len > a->window ? len - a->window : 0, .len = len, .group = group,
+        .k = a->k, .v = a->v, .table = a->block_tables + (b + rows - 1) * a->max_blocks, .stats = NULL,
+        .first = first_key(a->seq_lens[b] - 1, a->window), .len = len, .rows = rows,
+        .row_stride = a->heads * a->head_dim, .window = a->window, .group = group,
         .kv_heads = a->kv_heads, .kh = kh, .head_dim = a->head_dim, .block_size = a->block_size,
         .block_stride = a->block_stride, .scale = a->scale, .softcap = a->softcap};
+}
+
+/* Query head g of the task (g = r * group + i: head i of row r) in q or out. */
+static inline int64_t head_offset(const decode_task *t, int64_t g) {
+    return g / t->group * t->row_stride + g % t->group * t->head_dim;
 }
 
 static inline int64_t slot_begin(const decode_task *t, int64_t blk) {
@@ -227,11 +241,12 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
     const int NV = 16 * CH / VW;
     const int64_t head_dim = 16 * CH, bs = t.block_size, n = t.len - t.first, row = kv_row_elems(head_dim, kv_type);
     const int elem = kv_elem_bytes(kv_type);
+    const int64_t heads_all = t.group * t.rows;   /* the task's query heads, row by row */
     float *scores = scratch;
-    vf *q = (vf *)(scratch + t.group * padded);
-    for (int64_t g = 0; g < t.group; g++) {
+    vf *q = (vf *)(scratch + heads_all * padded);
+    for (int64_t g = 0; g < heads_all; g++) {
         #pragma GCC unroll 32
-        for (int c = 0; c < NV; c++) q[g * NV + c] = vf_loadu(t.q + g * head_dim + VW * c);
+        for (int c = 0; c < NV; c++) q[g * NV + c] = vf_loadu(t.q + head_offset(&t, g) + VW * c);
         to_row_order(CH, kv_type, q + g * NV);
     }
     vf kbuf[8 * 32];   /* 8 tokens' K rows */
@@ -252,7 +267,7 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
                 prefetch_block(t.k, &t, ++blk + ahead_l2, row, elem);
             }
         }
-        for (int64_t g = 0; g < t.group; g++) {
+        for (int64_t g = 0; g < heads_all; g++) {
             const vf *qg = q + g * NV;
             vf acc[8];
             #pragma GCC unroll 8
@@ -264,11 +279,14 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
             _mm256_storeu_ps(scores + g * padded + i0, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(t.scale)));
         }
     }
-    for (int64_t g = 0; g < t.group; g++) {
+    for (int64_t g = 0; g < heads_all; g++) {
         float *sg = scores + g * padded;
         if (t.softcap > 0.0f)
             for (int64_t i = 0; i < n; i += VW) vf_store(sg + i, vf_softcap(vf_load_first(sg + i, n - i), t.softcap));
-        for (int64_t i = n; i < padded; i++) sg[i] = -INFINITY;
+        /* the row's own keys: [first_key(its position), its position] */
+        const int64_t back = t.rows - 1 - g / t.group, seen = n - back;
+        for (int64_t i = first_key(t.len - 1 - back, t.window) - t.first - 1; i >= 0; i--) sg[i] = -INFINITY;
+        for (int64_t i = seen; i < padded; i++) sg[i] = -INFINITY;
         float max;
         const float sum = exp_minus_max(sg, padded / 16, &max);
         if (t.stats != NULL) { t.stats[2 * g] = max; t.stats[2 * g + 1] = sum; }
@@ -276,8 +294,8 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
         for (int64_t i = 0; i < padded; i += VW) vf_store(sg + i, vf_mul(vf_load(sg + i), inv));
     }
     const int HB = V_ACC / NV > 0 ? V_ACC / NV : 1;
-    for (int64_t g0 = 0; g0 < t.group; g0 += HB) {
-        const int64_t heads = t.group - g0 < HB ? t.group - g0 : HB;
+    for (int64_t g0 = 0; g0 < heads_all; g0 += HB) {
+        const int64_t heads = heads_all - g0 < HB ? heads_all - g0 : HB;
         vf acc[V_ACC > 32 ? V_ACC : 32];
         #pragma GCC unroll 24
         for (int j = 0; j < HB; j++)
@@ -308,7 +326,7 @@ static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, cons
             if (j < heads) {
                 from_row_order(CH, kv_type, acc + j * NV);
                 #pragma GCC unroll 32
-                for (int c = 0; c < NV; c++) vf_storeu(t.out + (g0 + j) * head_dim + VW * c, acc[j * NV + c]);
+                for (int c = 0; c < NV; c++) vf_storeu(t.out + head_offset(&t, g0 + j) + VW * c, acc[j * NV + c]);
             }
     }
 }
@@ -357,7 +375,7 @@ static int run_task(const decode_task *t, int kv_type, int use_simd) {
 #ifdef HAVE_VF
     if (use_simd) {
         const int64_t padded = (n + 15) / 16 * 16;   /* the scores, then the queries (decode_task_simd) */
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)((padded + t->head_dim) * t->group));
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)((padded + t->head_dim) * t->group * t->rows));
         if (scores == NULL) return 1;
         if (kv_type == TM_KV_BF16) run_task_simd_bf16(t, scores, padded);
         else if (kv_type == TM_KV_I8) run_task_simd_i8(t, scores, padded);
@@ -426,7 +444,7 @@ int decode_scratch_alloc(tm_decode_scratch *s, int64_t batch, int64_t heads, int
     const int64_t width = split_limit(batch * kv_heads, num_threads);
     *s = (tm_decode_scratch){
         .q = malloc(sizeof(float) * (size_t)(batch * heads * head_dim + 1)),
-        .runs = malloc(sizeof(int64_t) * (size_t)(2 * batch + 1)),
+        .runs = malloc(sizeof(int64_t) * (size_t)(3 * batch + 1)),
         .part = malloc(sizeof(float) * (size_t)(batch * width * heads * head_dim + 1)),
         .stats = malloc(sizeof(float) * (size_t)(batch * width * heads * 2 + 1))};
     if (s->q == NULL || s->runs == NULL || s->part == NULL || s->stats == NULL) {
@@ -441,6 +459,52 @@ void decode_scratch_free(tm_decode_scratch *s) {
     *s = (tm_decode_scratch){0};
 }
 
+/* Verify rows. A request verifying k proposed tokens enters the step as k + 1 entries at
+ * consecutive lengths over the same block table (engine/runner.py), each of which would read the
+ * request's whole K/V again. One task per kv head takes those rows together instead: it reads each
+ * K and V row once for all of them, and each row's scores past its own position are -inf, which
+ * leaves its output as its own task's, bit for bit (a score is the same sum in either; the -inf
+ * scores add 0 to the softmax's sums and 0 x V to the output's: the V rows past a row are the
+ * later rows' own, finite unless the model's activations are not, and then those rows are NaN
+ * anyway). Entries are taken as one request's rows where each is one longer than the one before
+ * and their block tables agree on every block the longer one reads, so rows taken together read
+ * exactly what they would alone. Only unsplit entries are grouped, and only where the SIMD tasks
+ * run. So that a batch-1 step still gives every thread work, a request's rows are cut into pieces
+ * while the step has fewer than GROUP_TASKS_PER_THREAD tasks per thread. */
+#define GROUP_TASKS_PER_THREAD 2
+
+/* 1 if entry b + 1 is the row after entry b's: one key longer, over the same blocks. */
+static int next_row(const decode_step *a, int64_t b) {
+    if (a->seq_lens[b + 1] != a->seq_lens[b] + 1) return 0;
+    const int64_t blocks = (a->seq_lens[b + 1] + a->block_size - 1) / a->block_size;
+    return blocks <= a->max_blocks && memcmp(a->block_tables + b * a->max_blocks,
+                                             a->block_tables + (b + 1) * a->max_blocks,
+                                             sizeof(int64_t) * (size_t)blocks) == 0;
+}
+
+/* rows[b]: how many consecutive entries from b one task takes (verify rows, above), 0 for an entry
+ * that another's task takes; 1 everywhere unless `group`. */
+static void group_rows(const decode_step *a, const int64_t *runs, int group, int num_threads, int64_t *rows) {
+    int64_t tasks = 0;
+    for (int64_t b = 0; b < a->batch; tasks++) {
+        int64_t r = 1;
+        while (group && b + r < a->batch && runs[b + r - 1] == 1 && runs[b + r] == 1 && next_row(a, b + r - 1)) r++;
+        rows[b] = r;
+        for (int64_t j = 1; j < r; j++) rows[b + j] = 0;
+        b += r;
+    }
+    tasks *= a->kv_heads;
+    const int64_t want = (int64_t)GROUP_TASKS_PER_THREAD * num_threads;
+    if (tasks >= want) return;
+    const int64_t pieces = (want + tasks - 1) / tasks;   /* per request */
+    for (int64_t b = 0; b < a->batch; b++) {
+        const int64_t r = rows[b];
+        if (r < 2) continue;
+        const int64_t piece = (r + pieces - 1) / pieces;
+        for (int64_t j = 0; j < r; j++) rows[b + j] = j % piece == 0 ? (r - j < piece ? r - j : piece) : 0;
+    }
+}
+
 /* Every (request, kv head) task of the step, split as above when there are too few, by the team
  * (kernels.h); *failed set to 1 if out of memory. */
 static void decode_team(const decode_step *a, int kv_type, int generic, int num_threads, const tm_decode_scratch *sc,
@@ -452,13 +516,14 @@ static void decode_team(const decode_step *a, int kv_type, int generic, int num_
     const int use_simd = 0;
 #endif
     const int64_t max_splits = split_limit(a->batch * a->kv_heads, num_threads);
-    /* runs per request and keys per run, from its length; runs[2 batch]: 1 if any request is split */
-    int64_t *runs = sc->runs, *per_run = sc->runs + a->batch;
+    /* runs per request and keys per run, from its length; runs[2 batch]: 1 if any request is split;
+     * then the entries' task rows (group_rows) */
+    int64_t *runs = sc->runs, *per_run = sc->runs + a->batch, *rows = sc->runs + 2 * a->batch + 1;
     #pragma omp single
     {
         int64_t split_any = 0;
         for (int64_t b = 0; b < a->batch; b++) {
-            const decode_task t = task_of(a, b, 0);
+            const decode_task t = task_of(a, b, 0, 1);
             const int64_t n = t.len - t.first, most = n / SPLIT_MIN_KEYS;
             int64_t r = most < max_splits ? most : max_splits;
             if (r < 1) r = 1;
@@ -468,6 +533,7 @@ static void decode_team(const decode_step *a, int kv_type, int generic, int num_
             split_any |= runs[b] > 1;
         }
         runs[2 * a->batch] = split_any;
+        group_rows(a, runs, use_simd, num_threads, rows);
     }
     const int64_t split_any = runs[2 * a->batch];
     const int64_t width = split_any ? max_splits : 1;   /* runs' stride in the scratch below */
@@ -476,8 +542,8 @@ static void decode_team(const decode_step *a, int kv_type, int generic, int num_
     for (int64_t b = 0; b < a->batch; b++)
         for (int64_t s = 0; s < width; s++)
             for (int64_t kh = 0; kh < a->kv_heads; kh++) {
-                if (s >= runs[b]) continue;
-                decode_task t = task_of(a, b, kh);
+                if (s >= runs[b] || rows[b] == 0) continue;
+                decode_task t = task_of(a, b, kh, rows[b]);
                 if (runs[b] > 1) {   /* a run of the request's keys, into the scratch */
                     const int64_t at = (b * width + s) * a->heads + kh * t.group;
                     split_range(&t, s, per_run[b]);

@@ -1,7 +1,8 @@
 /* Single-query (decode) attention over a paged KV cache, for CPUs.
  *
  * One task per (request, kv head): its `group` query heads share every K/V row the task reads,
- * so each cached byte is read once per step. Pass 1 scores the request's tokens block by block
+ * so each cached byte is read once per step (a speculative verify step's rows of one request
+ * too: "Verify rows" below). Pass 1 scores the request's tokens block by block
  * (straight from the cache: no gather, no padding to the longest request), pass 2 takes the
  * softmax and accumulates V. All arithmetic is fp32; K/V are fp32, bf16 or int8 rows with a scale
  * (kernels.h TM_KV_*), each row converted to fp32 as it is read.

@@ -426,22 +426,25 @@ def check_verify_rows(dtype, window, softcap, heads, kv_heads, head_dim, block_s
     runner's k + 1 entries); the kernel takes such rows in one task per kv head (paged_decode.c,
     "Verify rows"). Every entry's output == the entry decoded alone, bit for bit: 7- and 3-row
     requests beside a plain one, and a request whose rows are consecutive in length but whose second
-    entry reads another table (taken together they would read the wrong blocks)."""
+    entry reads another table (taken together they would read the wrong blocks); and a batch-1
+    step of 7 rows, which the kernel cuts into pieces to give every thread a task."""
     lens = [40, 23, 90, 61, 62]
     _, cache, tables, _ = random_paged_batch(lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim)
-    rows = [(0, 34 + j) for j in range(7)] + [(1, 23)] + [(2, 88 + j) for j in range(3)] + [(3, 61), (4, 62)]
-    entry_tables = tables[[b for b, _ in rows]]
-    seq_lens = torch.tensor([n for _, n in rows])
-    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(2)).to(query_dtype(dtype))
+    mixed = [(0, 34 + j) for j in range(7)] + [(1, 23)] + [(2, 88 + j) for j in range(3)] + [(3, 61), (4, 62)]
+    alone_request = [(2, 84 + j) for j in range(7)]
     options = {"sliding_window": window, "logit_softcap": softcap}
-    got = kernels.paged_decode(q, cache[0], cache[1], entry_tables, seq_lens, head_dim**-0.5, **options)
-    for i in range(len(rows)):
-        alone = kernels.paged_decode(q[i:i + 1], cache[0], cache[1], entry_tables[i:i + 1], seq_lens[i:i + 1],
-                                     head_dim**-0.5, **options)
-        assert torch.equal(got[i], alone[0]), f"entry {i} (request {rows[i][0]}, length {rows[i][1]})"
-    reference = torch_reference(heads, kv_heads, head_dim, window, softcap, cache)._decode(
-        q.float(), cache[0], cache[1], entry_tables, seq_lens)
-    torch.testing.assert_close(got.float(), reference.float(), atol=1e-5, rtol=1e-5)
+    for rows in (mixed, alone_request):
+        entry_tables = tables[[b for b, _ in rows]]
+        seq_lens = torch.tensor([n for _, n in rows])
+        q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(2)).to(query_dtype(dtype))
+        got = kernels.paged_decode(q, cache[0], cache[1], entry_tables, seq_lens, head_dim**-0.5, **options)
+        for i in range(len(rows)):
+            alone = kernels.paged_decode(q[i:i + 1], cache[0], cache[1], entry_tables[i:i + 1], seq_lens[i:i + 1],
+                                         head_dim**-0.5, **options)
+            assert torch.equal(got[i], alone[0]), f"entry {i} (request {rows[i][0]}, length {rows[i][1]})"
+        reference = torch_reference(heads, kv_heads, head_dim, window, softcap, cache)._decode(
+            q.float(), cache[0], cache[1], entry_tables, seq_lens)
+        torch.testing.assert_close(got.float(), reference.float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)

@@ -471,8 +471,9 @@ void decode_scratch_free(tm_decode_scratch *s) {
  * and their block tables agree on every block the longer one reads, so rows taken together read
  * exactly what they would alone. Only unsplit entries are grouped, and only where the SIMD tasks
  * run. So that a batch-1 step still gives every thread work, a request's rows are cut into pieces
- * while the step has fewer than GROUP_TASKS_PER_THREAD tasks per thread. */
+ * of at least MIN_PIECE_ROWS while the step has fewer than GROUP_TASKS_PER_THREAD tasks per thread. */
 #define GROUP_TASKS_PER_THREAD 2
+#define MIN_PIECE_ROWS 3   /* pieces of 2 rows ran slower than whole requests (kernel-ab, 4 and 5 rows) */
 
 /* 1 if entry b + 1 is the row after entry b's: one key longer, over the same blocks. */
 static int next_row(const decode_step *a, int64_t b) {
@@ -498,11 +499,13 @@ static void group_rows(const decode_step *a, const int64_t *runs, int group, int
     const int64_t want = (int64_t)GROUP_TASKS_PER_THREAD * num_threads;
     if (tasks >= want) return;
     const int64_t pieces = (want + tasks - 1) / tasks;   /* per request */
-    for (int64_t b = 0; b < a->batch; b++) {
-        const int64_t r = rows[b];
-        if (r < 2) continue;
-        const int64_t piece = (r + pieces - 1) / pieces;
-        for (int64_t j = 0; j < r; j++) rows[b + j] = j % piece == 0 ? (r - j < piece ? r - j : piece) : 0;
+    for (int64_t b = 0, r; b < a->batch; b += r) {
+        r = rows[b];
+        const int64_t cuts = r / MIN_PIECE_ROWS < pieces ? r / MIN_PIECE_ROWS : pieces;
+        for (int64_t j = 0, at = b; j < cuts && cuts > 1; j++) {   /* sizes that differ by at most one */
+            rows[at] = r / cuts + (j < r % cuts);
+            at += rows[at];
+        }
     }
 }
 

@@ -463,6 +463,27 @@ def test_verify_rows_equal_their_rows_decoded_alone(dtype, window, softcap, head
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_empty_decode_step_returns_no_rows(threads):
+    """A step with no entries (batch 0) returns an empty output, fused or not (it divided by its
+    zero task count: SIGFPE, the process gone)."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    cache = torch.randn(2, 4, 16, kv_heads, head_dim).bfloat16()
+    tables, seq_lens = torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = kernels.paged_decode(torch.randn(0, heads, head_dim), cache[0], cache[1], tables, seq_lens, 0.125)
+        assert out.shape == (0, heads, head_dim)
+        qkv = torch.randn(0, (heads + 2 * kv_heads) * head_dim)
+        cos, sin = torch.randn(2, 0, head_dim)
+        out = kernels.paged_decode_rotary(qkv, cos, sin, torch.zeros(0, dtype=torch.int64), cache[0], cache[1], tables,
+                                          seq_lens, heads, 0.125)
+        assert out.shape == (0, heads * head_dim)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def exact_prefill_options(q, cache, table, seq_len, block_size, scale, window, softcap):
     """float64 causal attention of q [n, heads, d] (the last n positions of seq_len) with a window and
     a softcap."""

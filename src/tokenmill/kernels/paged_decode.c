@@ -434,10 +434,11 @@ static void combine_runs(const decode_step *a, int64_t b, int64_t runs, const fl
     }
 }
 
-/* The most runs a request's keys are split into: enough for SPLIT_TASKS_PER_THREAD tasks per thread. */
+/* The most runs a request's keys are split into: enough for SPLIT_TASKS_PER_THREAD tasks per thread
+ * (1 for an empty step). */
 static int64_t split_limit(int64_t tasks, int num_threads) {
     const int64_t wanted = (int64_t)SPLIT_TASKS_PER_THREAD * num_threads;
-    return num_threads > 1 && tasks < wanted ? (wanted + tasks - 1) / tasks : 1;
+    return num_threads > 1 && tasks > 0 && tasks < wanted ? (wanted + tasks - 1) / tasks : 1;
 }
 
 int decode_scratch_alloc(tm_decode_scratch *s, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -497,7 +498,7 @@ static void group_rows(const decode_step *a, const int64_t *runs, int group, int
     }
     tasks *= a->kv_heads;
     const int64_t want = (int64_t)GROUP_TASKS_PER_THREAD * num_threads;
-    if (tasks >= want) return;
+    if (tasks == 0 || tasks >= want) return;
     const int64_t pieces = (want + tasks - 1) / tasks;   /* per request */
     for (int64_t b = 0, r; b < a->batch; b += r) {
         r = rows[b];

@@ -77,6 +77,11 @@ static inline void kv_store_row(void *p, int64_t row, const float *x, int64_t n,
     }
 }
 
+/* The first key position a query at `position` sees (its sliding window's start, or 0). */
+static inline int64_t first_key(int64_t position, int64_t window) {
+    return window > 0 && position + 1 > window ? position + 1 - window : 0;
+}
+
 /* A score after the softmax scale, through the logit softcap c (0: none): c tanh(s / c), in the
  * reference's order. */
 static inline float softcap_score(float s, float softcap) {

@@ -56,11 +56,6 @@ typedef struct {
     float scale, softcap;
 } decode_task;
 
-/* The first key position a query at `position` sees (its sliding window's start, or 0). */
-static inline int64_t first_key(int64_t position, int64_t window) {
-    return window > 0 && position + 1 > window ? position + 1 - window : 0;
-}
-
 /* The task of kv head kh for entries b .. b + rows - 1 (one request's consecutive rows: verify_rows). */
 static inline decode_task task_of(const decode_step *a, int64_t b, int64_t kh, int64_t rows) {
     const int64_t group = a->heads / a->kv_heads, len = a->seq_lens[b + rows - 1];
@@ -98,6 +93,7 @@ static ALWAYS_INLINE int64_t kv_offset(const decode_task *t, int64_t block, int6
 
 /* ---- portable C ---- */
 
+/* One row (verify rows are taken together only by the SIMD tasks: group_rows). */
 static ALWAYS_INLINE void decode_task_generic(const int kv_type, const decode_task *task, float *scores) {
     const decode_task t = *task;   /* a local copy: stores to the scores cannot alias its fields */
     const int64_t n = t.len - t.first, head_dim = t.head_dim, bs = t.block_size;
@@ -235,7 +231,7 @@ static ALWAYS_INLINE __m256 sum8(const vf *a) {
  *   softmax over the score rows, padded to `padded` (a multiple of 16) with -inf;
  *   V sums: heads in blocks of V_ACC / NV (at least one: independent FMA chains), the V row loaded
  *   once per block of heads.
- * scratch: the scores [group][padded], then the queries in row order [group][NV] vectors. */
+ * scratch: the scores [rows x group][padded], then the queries in row order [rows x group][NV] vectors. */
 static ALWAYS_INLINE void decode_task_simd(const int CH, const int kv_type, const decode_task *task, float *scratch,
                                            int64_t padded) {
     const decode_task t = *task;   /* a local copy: stores to the scores cannot alias its fields */
@@ -503,7 +499,8 @@ static void group_rows(const decode_step *a, const int64_t *runs, int group, int
     for (int64_t b = 0, r; b < a->batch; b += r) {
         r = rows[b];
         const int64_t cuts = r / MIN_PIECE_ROWS < pieces ? r / MIN_PIECE_ROWS : pieces;
-        for (int64_t j = 0, at = b; j < cuts && cuts > 1; j++) {   /* sizes that differ by at most one */
+        if (cuts < 2) continue;
+        for (int64_t j = 0, at = b; j < cuts; j++) {   /* sizes that differ by at most one */
             rows[at] = r / cuts + (j < r % cuts);
             at += rows[at];
         }

@@ -343,7 +343,7 @@ static int prefill(const float *q, const void *k, const void *v, const int64_t *
      * at multiples of KT whatever the chunk, so a row's sums (tile by tile, and bf16's pairs of keys)
      * run in the same order in any chunk: its result does not depend on the chunk. The keys of that
      * tile before first_seen are zeros (their blocks may be gone: never read). */
-    const int64_t first_seen = window > 0 && seq_len - num_q - window + 1 > 0 ? seq_len - num_q - window + 1 : 0;
+    const int64_t first_seen = first_key(seq_len - num_q, window);
     const int64_t key0 = first_seen / KT * KT, tiles = (seq_len - key0 + KT - 1) / KT, keys = tiles * KT;
     const gathered_kv g = {aligned_alloc(64, esize * (size_t)(kv_heads * keys * head_dim)),
                            aligned_alloc(64, esize * (size_t)(kv_heads * keys * head_dim)),

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: tiny random checkpoints (HF folders and GGUF files) and the default model.
+"""Shared pytest fixtures: tiny random checkpoints (HF folders and GGUF files), the default model, and
+PyTorch's thread count restored after each test.
 
 `tiny_hf_model(kind)` and `tiny_gguf_model(kind, ftype)` are session-scoped factories: each
 checkpoint is built on first use, in a session temporary folder, and reused after that. Kinds are
@@ -14,7 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import hf_to_gguf, make_hf_model
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Every test starts with the thread count the session started with. An engine built with
+    `threads` (LLM(threads=...), `--threads` on an in-process CLI command) sets PyTorch's process-wide
+    count, which the C kernels take too: left at 1, every later test ran on one core of two (the
+    structured-output test took 2.2x its time in CI)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -455,12 +455,8 @@ def test_verify_rows_equal_their_rows_decoded_alone(dtype, window, softcap, head
                                                     threads):
     """check_verify_rows on 1, 2 and 4 threads (how a request's rows are cut into tasks depends on
     the thread count)."""
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        check_verify_rows(dtype, window, softcap, heads, kv_heads, head_dim, block_size)
-    finally:
-        torch.set_num_threads(saved)
+    torch.set_num_threads(threads)   # (conftest's torch_threads_restored puts the count back)
+    check_verify_rows(dtype, window, softcap, heads, kv_heads, head_dim, block_size)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -470,18 +466,14 @@ def test_an_empty_decode_step_returns_no_rows(threads):
     heads, kv_heads, head_dim = 9, 3, 64
     cache = torch.randn(2, 4, 16, kv_heads, head_dim).bfloat16()
     tables, seq_lens = torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        out = kernels.paged_decode(torch.randn(0, heads, head_dim), cache[0], cache[1], tables, seq_lens, 0.125)
-        assert out.shape == (0, heads, head_dim)
-        qkv = torch.randn(0, (heads + 2 * kv_heads) * head_dim)
-        cos, sin = torch.randn(2, 0, head_dim)
-        out = kernels.paged_decode_rotary(qkv, cos, sin, torch.zeros(0, dtype=torch.int64), cache[0], cache[1], tables,
-                                          seq_lens, heads, 0.125)
-        assert out.shape == (0, heads * head_dim)
-    finally:
-        torch.set_num_threads(saved)
+    torch.set_num_threads(threads)   # (conftest's torch_threads_restored puts the count back)
+    out = kernels.paged_decode(torch.randn(0, heads, head_dim), cache[0], cache[1], tables, seq_lens, 0.125)
+    assert out.shape == (0, heads, head_dim)
+    qkv = torch.randn(0, (heads + 2 * kv_heads) * head_dim)
+    cos, sin = torch.randn(2, 0, head_dim)
+    out = kernels.paged_decode_rotary(qkv, cos, sin, torch.zeros(0, dtype=torch.int64), cache[0], cache[1], tables,
+                                      seq_lens, heads, 0.125)
+    assert out.shape == (0, heads * head_dim)
 
 
 def exact_prefill_options(q, cache, table, seq_len, block_size, scale, window, softcap):

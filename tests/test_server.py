@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -661,6 +662,25 @@ def test_https_behind_a_root_path(tiny_gguf_model, certificate, tmp_path):
         # The proxy strips the prefix; paths are named as its clients sent them.
         error = check_error(httpx.get(s.base + "/v1/nope", verify=trust), 404, None, None)
         assert error["message"].startswith("no route GET /llm/v1/nope ")
+
+
+def test_https_shutdown_waits_for_no_idle_client(tiny_gguf_model, certificate, tmp_path):
+    """On SIGTERM uvicorn closes the idle connections and waits for every connection to be gone, and
+    asyncio's TLS close is gone only once the client answers close_notify, or after 30 s. A client
+    that keeps its connection idle in a pool (the openai client does) or sent nothing (closed by the
+    read timeout) never answers: with nothing in flight, the server must exit well before that."""
+    cert, key = certificate
+    trust = ssl.create_default_context(cafile=cert)
+    s = Server([str(tiny_gguf_model("llama")), "--ssl-certfile", cert, "--ssl-keyfile", key,
+                "--request-read-timeout", "1"], tmp_path / "tls.log", verify=trust)
+    with running(s, None), httpx.Client(verify=trust) as pooled:
+        assert pooled.get(s.base + "/health").status_code == 200   # then idle in the client's pool
+        with socket.create_connection(("127.0.0.1", s.port)) as raw, \
+                trust.wrap_socket(raw, server_hostname="127.0.0.1"):   # a handshake, then nothing
+            time.sleep(2)   # (the read timeout closes this one: its TLS close waits for an answer)
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(15) == 0
+    assert "Traceback" not in s.log() and "engine stopped" in s.log(), s.log()
 
 
 def test_serve_refuses_bad_flags_and_model_paths_before_listening(tmp_path, capsys, certificate):

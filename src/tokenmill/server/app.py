@@ -394,7 +394,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     after every response, and disarmed only once a request's headers are complete (uvicorn then
     starts a request cycle), never by a byte arriving; when it fires, the connection is closed.
     The body has its own deadline, in read_body. Use `with_timeout` for a subclass to give uvicorn.
-    Malformed requests get the JSON error body (send_400_response)."""
+    Malformed requests get the JSON error body (send_400_response). On shutdown a closing TLS
+    connection is not waited for (shutdown)."""
 
     header_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S
 
@@ -406,9 +407,11 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.header_timer: asyncio.TimerHandle | None = None
+        self.tls = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self.tls = transport.get_extra_info("sslcontext") is not None
         self.arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -424,6 +427,21 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self.disarm_header_timer()   # (the connection is no longer this protocol's)
         super().handle_websocket_upgrade(event)
+
+    def shutdown(self) -> None:
+        """uvicorn's, for a connection with no response in flight: close it, and for TLS close the socket
+        at once. uvicorn's shutdown waits until every connection is gone, and asyncio's TLS close sends
+        close_notify, then keeps the socket until the client answers it (or for 30 s): a client holding
+        the connection idle in its pool (the openai client does), or one that never sent a request,
+        does not answer, so each shutdown waited the whole --shutdown-timeout and more. The socket
+        closes as nginx or Go close TLS: close_notify sent, no answer awaited (the kernel still
+        delivers what was written). A connection closed earlier (the keep-alive or read timeout) may
+        still be waiting for that answer; uvicorn would close it a second time, which asyncio's TLS
+        transport does not allow for (it drops its protocol)."""
+        if not self.transport.is_closing():
+            super().shutdown()
+        if self.tls and self.transport.is_closing():
+            self.transport.abort()
 
     def on_response_complete(self) -> None:
         self.arm_header_timer()      # first: the call below may start a pipelined request, which disarms it

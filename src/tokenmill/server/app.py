@@ -433,7 +433,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         at once. uvicorn's shutdown waits until every connection is gone, and asyncio's TLS close sends
         close_notify, then keeps the socket until the client answers it (or for 30 s): a client holding
         the connection idle in its pool (the openai client does), or one that never sent a request,
-        does not answer, so each shutdown waited the whole --shutdown-timeout and more. The socket
+        does not answer, so a shutdown with nothing in flight still took 30 s. The socket
         closes as nginx or Go close TLS: close_notify sent, no answer awaited (the kernel still
         delivers what was written). A connection closed earlier (the keep-alive or read timeout) may
         still be waiting for that answer; uvicorn would close it a second time, which asyncio's TLS

@@ -21,6 +21,7 @@ import gguf
 import jinja2.sandbox
 import pytest
 import sentencepiece as spm
+from test_real_models import gemma3_gguf  # noqa: F401 - a fixture (the real Gemma 3 file, where installed)
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -420,6 +421,35 @@ def test_incremental_detokenizer_matches_decode(which, request):
                 assert "".join(deltas) == full
                 assert not any("\ufffd" in d for d in deltas)  # never a half character
     assert partial_tokens > 10  # characters really were split over byte tokens
+
+
+@pytest.mark.parametrize("which", ["smol", "spm", "gemma3"])
+def test_token_bytes_are_what_each_token_adds_to_the_text(which, request):
+    """token_bytes (llama.cpp's token_to_piece; a logprob's OpenAI `bytes`): joined, the tokens of a
+    text give its UTF-8 bytes (after the space SentencePiece puts before a text, where the vocabulary
+    does), also where a character is split over tokens; token_text is their text. decode([id]) alone
+    cannot: it gives U+FFFD for part of a character, and SentencePiece's "▁the" as "the"."""
+    if which == "smol":
+        tok, prefix = request.getfixturevalue("smol"), b""
+    elif which == "spm":
+        tok, prefix = load_tokenizer(request.getfixturevalue("spm_model")[1]), b" "
+    else:   # (a real file, where the package is installed; no space before a text)
+        tok, prefix = load_tokenizer(request.getfixturevalue("gemma3_gguf")), b""
+    split = spaced = 0
+    for text in CORPUS + TRAINING_TEXT + MULTIBYTE:
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == (prefix + text.encode() if text else b""), text
+        if ids:
+            assert tok.token_bytes(ids[0], first=True) + b"".join(pieces[1:]) == text.encode(), text
+        assert [tok.token_text(i) for i in ids] == [p.decode("utf-8", errors="replace") for p in pieces]
+        split += sum("\ufffd" in tok.decode([i]) for i in ids)
+        spaced += sum(p.startswith(b" ") and not tok.decode([i]).startswith(" ")
+                      for p, i in zip(pieces, ids, strict=True))
+    assert split > 0   # characters were split over tokens
+    assert (spaced > 10) == (which == "spm")   # and SentencePiece's decode dropped leading spaces
+    special = tok.eos_token_id
+    assert tok.token_text(special) == tok.decode([special]) and tok.token_bytes(tok.vocab_size + 5) == b""
 
 
 def test_incremental_detokenizer_holds_back_and_flushes_incomplete_bytes(smol):

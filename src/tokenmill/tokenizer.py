@@ -33,6 +33,19 @@ from tokenmill.errors import CheckpointError, TokenmillError
 from tokenmill.tokenizer_gguf import TokenizerParts, gguf_tokenizer_parts
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_BYTE_PIECE = re.compile("<0x([0-9A-Fa-f]{2})>")   # a SentencePiece byte-fallback token
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in such a vocabulary
+    (printable Latin-1 bytes stand for themselves, the others for 256 + their rank among them)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -52,10 +65,12 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = parts.eos_token_ids
         self.pad_token_id: int | None = parts.pad_token_id
         self.chat_template: str | None = parts.chat_template
-        self._special_ids = frozenset(
-            tid for tid, token in parts.backend.get_added_tokens_decoder().items() if token.special
-        )
+        added = parts.backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(tid for tid, token in added.items() if token.special)
+        self._added_ids = frozenset(added)   # (their vocabulary entries are text, not a model's pieces)
         self._compiled: tuple[str, jinja2.Template] | None = None  # (source text, compiled)
+        self._token_bytes: dict[int, bytes] = {}   # token_bytes' answers so far
+        self._decoders: set[str] | None = None      # the decoder's step types, once token_bytes needs them
         self._template_origin = f"the chat template of {source}"  # where chat_template came from, for messages
 
     def __repr__(self) -> str:
@@ -84,6 +99,44 @@ class Tokenizer:
         if token is None:
             raise TokenmillError(f"token id {token_id} is outside the vocabulary of {self.source} ({self.vocab_size})")
         return token
+
+    def token_bytes(self, token_id: int, first: bool = False) -> bytes:
+        """The bytes `token_id` adds to a text that goes on before it (llama.cpp's token_to_piece;
+        a logprob's `bytes` in OpenAI's API): decode([token_id]) gives U+FFFD for a token that is part
+        of a UTF-8 character, and drops the space of a SentencePiece token ("▁the" -> "the")
+        since it decodes as the start of a text. `first`: as the start of a text (that space dropped)."""
+        piece = self._token_bytes.get(token_id)
+        if piece is None:
+            piece = self._token_bytes[token_id] = self._piece_bytes(token_id)
+        # (SentencePiece's decoders drop the first space of a text: a Strip step, or Metaspace's own)
+        if first and piece.startswith(b" ") and self._decoder_steps() & {"Strip", "Metaspace"}:
+            return piece[1:]
+        return piece
+
+    def token_text(self, token_id: int) -> str:
+        """token_bytes as text (U+FFFD for the bytes of a character split over tokens): a logprob's token."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        piece = self._backend.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:   # (beyond the vocabulary: nothing, as decode)
+            return self.decode([token_id]).encode()
+        if "ByteLevel" in self._decoder_steps() and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if "ByteFallback" in self._decoder_steps() and (byte := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(byte[1], 16)])
+        # Any other token: what it adds after another token (decoders strip or join at a text's start).
+        context = self.encode("a", add_special_tokens=False)
+        before, after = self.decode(context), self.decode([*context, token_id])
+        return (after[len(before):] if context and after.startswith(before) else self.decode([token_id])).encode()
+
+    def _decoder_steps(self) -> set[str]:
+        """The types of the decoder's steps (read once)."""
+        if self._decoders is None:
+            # (the decoder's JSON, as pickling gets it: tokenizers has no other view of its steps)
+            self._decoders = _step_types(json.loads(self._backend.decoder.__getstate__())) \
+                if self._backend.decoder is not None else set()
+        return self._decoders
 
     def vocabulary_difference(self, other: Tokenizer) -> str | None:
         """None when `other` maps the same tokens to the same ids (speculative decoding's draft must:
@@ -151,6 +204,11 @@ class Tokenizer:
             **special, **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
         )  # fmt: skip
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _step_types(decoder: dict[str, Any]) -> set[str]:
+    """The types of a decoder's steps, from its JSON (a Sequence's, recursively)."""
+    return {decoder["type"]}.union(*(_step_types(step) for step in decoder.get("decoders", ())))
 
 
 def load_tokenizer(path: str | os.PathLike | GGUFCheckpoint) -> Tokenizer:

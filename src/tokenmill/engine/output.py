@@ -132,9 +132,9 @@ class OutputProcessor:
                        top: list[tuple[int, float]]) -> dict[int, Logprob]:
         """A token's logprobs entry: the top-k by rank (most likely first), then the token itself
         if it is not among them (with its rank where known)."""
-        entry = {tid: Logprob(tlp, i + 1, self.tokenizer.decode([tid])) for i, (tid, tlp) in enumerate(top)}
+        entry = {tid: Logprob(tlp, i + 1, self.tokenizer.token_text(tid)) for i, (tid, tlp) in enumerate(top)}
         if token_id not in entry:
-            entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+            entry[token_id] = Logprob(logprob, rank, self.tokenizer.token_text(token_id))
         return entry
 
     def _fail(self, parent: _Parent, child_id: str, error: str, param: str | None = None) -> None:

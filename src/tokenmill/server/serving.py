@@ -13,6 +13,7 @@ numbered `prompt_index * n + sample_index`, as OpenAI does.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import logging
@@ -20,7 +21,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -48,6 +49,7 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_Token = tuple[str, bytes]   # a logprob's token: its text and its bytes (which, unlike text, hold part of a character)
 
 
 @dataclasses.dataclass
@@ -59,12 +61,13 @@ class Prepared:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    token_bytes: Callable[[int], bytes]         # a token's bytes (Tokenizer.token_bytes), for its logprobs
     continuous_usage: bool = False              # usage so far on every chunk
     echo: bool = False
     # echo with max_tokens 0: the prompt alone (with logprobs, scored); the one token the engine
     # samples after it is not part of the answer
     score_only: bool = False
-    first_tokens: list[str] = dataclasses.field(default_factory=list)   # with echo: each prompt's first token
+    first_tokens: list[_Token] = dataclasses.field(default_factory=list)   # with echo: each prompt's first token
     prompt_logprobs: bool = False    # vLLM's prompt_logprobs field: the answer carries them in its form
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
     tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
@@ -225,10 +228,10 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
     check_export(params, req.stream, len(prompts))
-    first_tokens = [inputs.tokenizer.decode(ids[:1]) for _, ids in prompts] if params.prompt_logprobs is not None \
-        and req.echo else []
-    return Prepared("completion", prompts, params, req.stream, include_usage, continuous_usage, echo=req.echo,
-                    score_only=score_only, first_tokens=first_tokens,
+    first_tokens = [(inputs.tokenizer.decode(ids[:1]), inputs.tokenizer.token_bytes(ids[0], first=True))
+                    for _, ids in prompts] if params.prompt_logprobs is not None and req.echo else []
+    return Prepared("completion", prompts, params, req.stream, include_usage, inputs.tokenizer.token_bytes,
+                    continuous_usage, echo=req.echo, score_only=score_only, first_tokens=first_tokens,
                     prompt_logprobs=req.prompt_logprobs is not None, renames=renames)
 
 
@@ -262,7 +265,8 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
         param = message.split(":", 1)[0] if message.startswith("messages[") else "messages"
         raise ErrorBody(400, message if param != "messages" else f"messages: {e}", param=param) from None
     check_export(params, req.stream, 1)
-    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, continuous_usage, renames=renames,
+    return Prepared("chat", [(text, ids)], params, req.stream, include_usage, inputs.tokenizer.token_bytes,
+                    continuous_usage, renames=renames,
                     tools=tools if req.tools is not None and tools.parses_output else None,
                     prompt_logprobs=req.prompt_logprobs is not None)
 
@@ -371,6 +375,8 @@ class _Formatter:
         self._sent_tokens = [0] * len(self._sent_text)
         # (with echo, logprobs begin with the prompt's tokens: offsets count from the prompt's start either way)
         self._text_offset = [0] * len(self._sent_text)
+        # the characters each choice's token bytes complete (a token can hold part of one)
+        self._characters = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in self._sent_text]
         self._finished = [False] * len(self._sent_text)
         self._echoed = [False] * len(self._sent_text)
         # per choice, while streaming with tools: the incremental tool-call parser of its text
@@ -405,26 +411,37 @@ class _Formatter:
         if output.logprobs is None:
             return None
         k = self.p.params.logprobs or 0
-        entries: list[tuple[str, float | None, list[tuple[str, float]] | None]] = []
+        entries: list[tuple[_Token, float | None, list[tuple[_Token, float]] | None]] = []
         if prompt is not None:
             entries.append((self.p.first_tokens[self.prompt_index(choice)], None, None))
-            entries += [_entry(token_id, entry, k)
+            entries += [self._entry(token_id, entry, k)
                         for token_id, entry in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:],
                                                    strict=True)]
-        entries += [_entry(token_id, entry, k)
+        entries += [self._entry(token_id, entry, k)
                     for token_id, entry in zip(output.token_ids[start:end], output.logprobs[start:end], strict=True)]
         if self.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                                  for t, v in top]}
-                                for tok, lp, top in entries]}
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(raw),
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for (t, b), v in top]}
+                                for (tok, raw), lp, top in entries]}
         offsets = []
-        for tok, _, _ in entries:
+        for (_, raw), _, _ in entries:
             offsets.append(self._text_offset[choice])
-            self._text_offset[choice] += len(tok)
-        return {"tokens": [tok for tok, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if top is None else {**dict(top), tok: lp} for tok, lp, top in entries],
+            self._text_offset[choice] += len(self._characters[choice].decode(raw))
+        return {"tokens": [tok for (tok, _), _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else {**{t: v for (t, _), v in top}, tok: lp}
+                                 for (tok, _), lp, top in entries],
                 "text_offset": offsets}
+
+    def _entry(self, token_id: int, entry: dict[int, Logprob],
+               k: int) -> tuple[_Token, float, list[tuple[_Token, float]]]:
+        """(a token, its logprob, its position's k most likely tokens with theirs)."""
+        ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                        key=lambda item: item[1].rank)
+        return (self._token(token_id, entry[token_id]), _finite(entry[token_id].logprob),
+                [(self._token(tid, lp), _finite(lp.logprob)) for tid, lp in ranked])
+
+    def _token(self, token_id: int, logprob: Logprob) -> _Token:
+        return logprob.decoded_token or "", self.p.token_bytes(token_id)
 
     # ---- streaming ----
 
@@ -536,13 +553,6 @@ def _vllm_prompt_logprobs(out: RequestOutput) -> list[dict[int, dict[str, Any]] 
     return [None if entry is None else {t: {"logprob": _finite(lp.logprob), "rank": lp.rank,
                                             "decoded_token": lp.decoded_token} for t, lp in entry.items()}
             for entry in out.prompt_logprobs]
-
-
-def _entry(token_id: int, entry: dict[int, Logprob], k: int) -> tuple[str, float, list[tuple[str, float]]]:
-    """(a token's text, its logprob, its position's k most likely tokens with theirs)."""
-    ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
-    return (entry[token_id].decoded_token or "", _finite(entry[token_id].logprob),
-            [(lp.decoded_token or "", _finite(lp.logprob)) for lp in ranked])
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:

@@ -381,6 +381,31 @@ def test_chat_renders_the_template(llm):
     assert singles[0].outputs[0].token_ids != singles[1].outputs[0].token_ids
 
 
+def test_chat_continues_the_final_assistant_message(llm):
+    """continue_final_message (vLLM's and transformers' name): the conversation rendered without a
+    generation prompt and cut right after the final (assistant) message's text, so the model
+    continues that message instead of starting a new turn."""
+    tok = llm.tokenizer
+    prefix = "one, two, three,"
+    conv = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": prefix}]
+    out = llm.chat(conv, greedy(8), use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    whole = tok.apply_chat_template(conv, add_generation_prompt=False)
+    assert out.prompt == whole[:whole.rindex(prefix) + len(prefix)] and whole != out.prompt
+    assert out.prompt_token_ids == tok.encode(out.prompt)
+    assert out.outputs[0].token_ids == run(llm, [out.prompt_token_ids], greedy(8))[0].outputs[0].token_ids
+    # (this template keeps the message as it is: its spaces too, the trailing one included)
+    spaced = [conv[0], {"role": "assistant", "content": "  " + prefix + " "}]
+    assert llm.chat(spaced, greedy(1), use_tqdm=False, add_generation_prompt=False,
+                    continue_final_message=True)[0].prompt.endswith("assistant\n  " + prefix + " ")
+    with pytest.raises(TokenmillError, match="continue_final_message.*add_generation_prompt"):
+        llm.chat(conv, greedy(1), use_tqdm=False, continue_final_message=True)
+    with pytest.raises(TokenmillError, match="continue_final_message.*assistant"):
+        llm.chat(conv[:1], greedy(1), use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(TokenmillError, match="continue_final_message: the final message is empty"):
+        llm.chat([conv[0], {"role": "assistant", "content": " "}], greedy(1), use_tqdm=False,
+                 add_generation_prompt=False, continue_final_message=True)
+
+
 def test_chat_adds_bos_only_when_the_template_does_not(llama_dir, tmp_path):
     conv = [{"role": "user", "content": "hello"}]
     # A tokenizer that adds BOS to every encode(); the ChatML template already starts with it.

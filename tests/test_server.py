@@ -289,6 +289,29 @@ def test_echo_with_logprobs_scores_the_prompt(client, model_name, tokenizer, ser
                                                                      for i in range(len(tokens))]
 
 
+def test_chat_continues_the_final_assistant_message(client, model_name, tokenizer, server):
+    """vLLM's continue_final_message (with add_generation_prompt false): the model goes on with the
+    final assistant message (an answer's start given by the client) rather than a new turn; the
+    reply is what it adds. /tokenize takes the same fields."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    fields = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = httpx.post(server.base + "/tokenize", json={"messages": messages, **fields},
+                     headers=auth(KEY)).json()["tokens"]
+    assert tokenizer.decode(ids).endswith("<|im_end|>\n<|im_start|>assistant\nThe capital of France is")
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body=fields)
+    same = client.completions.create(model=model_name, prompt=ids, max_tokens=4, temperature=0)
+    assert reply.usage.prompt_tokens == len(ids) and reply.choices[0].message.content == same.choices[0].text
+    assert "Paris" in reply.choices[0].message.content
+    for body, words in (({"messages": messages, "continue_final_message": True}, ["add_generation_prompt"]),
+                        ({"messages": messages[:1], **fields}, ["final message", "assistant", "'user'"])):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(server.base + path, json={"model": model_name, **body}, headers=auth(KEY))
+            error = check_error(r, 400, "continue_final_message", None)
+            assert all(w in error["message"] for w in words), error
+
+
 def test_logprobs_of_tokens_that_split_a_character(client, model_name, tokenizer):
     """The default vocabulary splits "🤖" over three tokens, none of them a character: each logprob
     carries its own token's bytes (OpenAI's `bytes`, from which a client puts characters back

@@ -88,21 +88,24 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True) -> list[RequestOutput]:
+             tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of {"role", "content"} dicts)
         or to a list of conversations, and generate a reply for each. `chat_template_kwargs`: extra
         template variables for every conversation (vLLM's name; e.g. Qwen3's {"enable_thinking": False}).
 
         `tools`, `tool_choice`, `parallel_tool_calls`: as in OpenAI's chat API (see tool_calls.py);
-        each output's `tool_calls` is then the calls parsed from its text (a list, maybe empty)."""
+        each output's `tool_calls` is then the calls parsed from its text (a list, maybe empty).
+        `continue_final_message` (with add_generation_prompt False): each conversation ends with an
+        assistant message that the model goes on with (vLLM's name)."""
         conversations = [messages] if isinstance(messages, (list, tuple)) and messages and \
             isinstance(messages[0], dict) else messages
         if not isinstance(conversations, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in conversations):
             raise TokenmillError("messages: expected a list of {'role', 'content'} dicts or a list of such lists, "
                                  f"got {messages!r:.80}")
         plan = self.inputs.tool_plan(tools, tool_choice, parallel_tool_calls)
-        tokenized = [self.inputs.chat_prompt(list(c), add_generation_prompt, chat_template_kwargs, plan)
-                     for c in conversations]
+        tokenized = [self.inputs.chat_prompt(list(c), add_generation_prompt, chat_template_kwargs, plan,
+                                             continue_final_message) for c in conversations]
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, (list, tuple)):   # (one per conversation; _run checks them)
             params = [plan.sampling_params(p) if isinstance(p, SamplingParams) else p for p in params]

@@ -395,6 +395,23 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def end_at_final_message(text: str, content: str) -> str:
+    """`text`, a rendered conversation, cut where its final message (`content`) ends: what the template
+    writes after it (the end of the turn) is left out, so a model goes on with that message. A
+    template that trims messages gives the text up to the trimmed message's end (as transformers'
+    continue_final_message)."""
+    trimmed = content.strip()
+    at = text.rfind(trimmed) if trimmed else -1
+    if at < 0:
+        raise TokenmillError("continue_final_message: " + ("the final message is empty: nothing to continue (a new "
+                                                           "turn is add_generation_prompt's)" if not trimmed else
+                                                           "the chat template does not write the final message's "
+                                                           "text as it is, so there is no end of it to continue from"))
+    end = at + len(trimmed)
+    tail = content[len(content.rstrip()):]   # (the message's trailing whitespace, where the template kept it)
+    return text[:end + len(tail) if text.startswith(tail, end) else end]
+
+
 def read_chat_template(template: str) -> str:
     """A chat template given on the command line or to LLM(chat_template=...): the path of a file
     holding one, or the template itself (vLLM's --chat-template takes both)."""

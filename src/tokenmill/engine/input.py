@@ -30,6 +30,7 @@ from tokenmill.tokenizer import (
     Tokenizer,
     chat_messages,
     check_chat_template_kwargs,
+    end_at_final_message,
     load_tokenizer,
     read_chat_template,
 )
@@ -139,20 +140,31 @@ class InputProcessor:
 
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: ToolPlan | None = None) -> tuple[str, list[int]]:
+                    tools: ToolPlan | None = None, continue_final_message: bool = False) -> tuple[str, list[int]]:
         """The chat template applied to `messages` (checked by `chat_messages`): (text, token ids).
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
         `tools` (from `tool_plan`) puts the tools in the prompt as the model's syntax wants them,
-        unless tool_choice is "none"."""
+        unless tool_choice is "none". `continue_final_message` (vLLM's and transformers' name; with
+        add_generation_prompt false): the text ends with the final message, an assistant's, so that
+        the model goes on with it (an answer's start that the client gives) instead of a new turn."""
         # Checked before the conversation, so that a reserved key is named even in a bad conversation.
         template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise TokenmillError("continue_final_message: needs add_generation_prompt false (the model goes on with "
+                                 "the final message, not a new turn)")
         plan = tools or self.tool_plan()
         shown = plan.parser.tools if plan.parses_output else []
-        conversation = plan.parser.prepare_messages(chat_messages(messages), shown)
+        conversation = chat_messages(messages)
+        if continue_final_message and conversation[-1]["role"] != "assistant":
+            raise TokenmillError(f"continue_final_message: the final message must be the assistant's (the start of "
+                                 f"its answer), got role {conversation[-1]['role']!r}")
+        conversation = plan.parser.prepare_messages(conversation, shown)
         if shown and plan.parser.template_tools() is not None:
             template_kwargs["tools"] = plan.parser.template_tools()
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
+        if continue_final_message:
+            text = end_at_final_message(text, conversation[-1]["content"])
         # The template may already start with BOS; add it only if it does not (as llama.cpp does).
         bos = self.tokenizer.bos_token_id
         has_bos = bos is not None and text.startswith(self.tokenizer.id_to_token(bos))

@@ -347,9 +347,11 @@ def create_app(config: ServerConfig, loaded: Loaded | None = None, on_ready: Cal
                 ids = engine.inputs.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
                 messages = [m.for_template() for m in body.messages]
-                _, ids = engine.inputs.chat_prompt(messages, body.add_generation_prompt, body.chat_template_kwargs)
+                _, ids = engine.inputs.chat_prompt(messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                                   continue_final_message=body.continue_final_message)
         except TokenmillError as e:
-            raise ErrorBody(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
+            param = "prompt" if body.prompt is not None else serving.chat_error_param(str(e))
+            raise ErrorBody(400, str(e), param=param) from None
         return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

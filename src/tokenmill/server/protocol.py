@@ -233,6 +233,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: JsonObject | None = None
+    add_generation_prompt: bool = True        # vLLM's: false with continue_final_message
+    continue_final_message: bool = False      # vLLM's: the model goes on with the final (assistant) message
     # Accepted with any value (see NO_OP_VALUES' comment).
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
@@ -275,6 +277,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: JsonObject | None = None
 
     @field_validator("chat_template_kwargs")

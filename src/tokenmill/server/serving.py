@@ -235,6 +235,12 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
                     prompt_logprobs=req.prompt_logprobs is not None, renames=renames)
 
 
+def chat_error_param(message: str) -> str:
+    """The field a chat prompt's error is about: a message's (messages[i]...), continue_final_message,
+    or the conversation's (messages)."""
+    return message.split(":", 1)[0] if message.startswith(("messages[", "continue_final_message:")) else "messages"
+
+
 def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared:
     include_usage, continuous_usage = _check_stream_options(req)
     _check_prompt_logprobs(req)
@@ -258,11 +264,12 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
         renames["structured_outputs.grammar"] = "tools"
     messages = [m.for_template() for m in req.messages]
     try:
-        text, ids = inputs.chat_prompt(messages, add_generation_prompt=True,
-                                       chat_template_kwargs=req.chat_template_kwargs, tools=tools)
+        text, ids = inputs.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt,
+                                       chat_template_kwargs=req.chat_template_kwargs, tools=tools,
+                                       continue_final_message=req.continue_final_message)
     except TokenmillError as e:
         message = str(e)
-        param = message.split(":", 1)[0] if message.startswith("messages[") else "messages"
+        param = chat_error_param(message)
         raise ErrorBody(400, message if param != "messages" else f"messages: {e}", param=param) from None
     check_export(params, req.stream, 1)
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, inputs.tokenizer.token_bytes,

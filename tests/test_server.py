@@ -710,6 +710,33 @@ def test_https_behind_a_root_path(tiny_gguf_model, certificate, tmp_path):
         assert error["message"].startswith("no route GET /llm/v1/nope ")
 
 
+def test_priority_orders_the_waiting_requests(default_gguf_path, tmp_path):
+    """vLLM's `priority` (lower runs first; tokenmill always schedules by it): one sequence at a
+    time, two requests wait behind a running one; the one with the lower value runs first, whatever
+    the order they came in."""
+    s = Server([str(default_gguf_path), "--max-num-seqs", "1", "--max-model-len", "2048"], tmp_path / "priority.log")
+    with running(s, None), ThreadPoolExecutor(3) as pool:
+        base = {"prompt": "Hello", "ignore_eos": True, "temperature": 0}
+        done: list[str] = []
+
+        def post(name: str, max_tokens: int, **fields) -> None:
+            r = httpx.post(s.base + "/v1/completions", json={**base, "max_tokens": max_tokens, **fields}, timeout=120)
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        first = pool.submit(post, "running", 1500)   # (seconds on a CPU: the others come in meanwhile)
+        assert wait_for(lambda: s.metrics()["tokenmill_num_requests_running"] == 1)
+        later = [pool.submit(post, "later", 8, priority=5)]
+        assert wait_for(lambda: s.metrics()["tokenmill_num_requests_waiting"] == 1)
+        later.append(pool.submit(post, "sooner", 8, priority=-1))
+        assert wait_for(lambda: s.metrics()["tokenmill_num_requests_waiting"] == 2)
+        for f in [first, *later]:
+            f.result(timeout=120)
+        assert done == ["running", "sooner", "later"]
+        r = httpx.post(s.base + "/v1/completions", json={**base, "max_tokens": 1, "priority": 1.5})
+        assert check_error(r, 400, "priority", None)
+
+
 def test_https_shutdown_waits_for_no_idle_client(tiny_gguf_model, certificate, tmp_path):
     """On SIGTERM uvicorn closes the idle connections and waits for every connection to be gone, and
     asyncio's TLS close is gone only once the client answers close_notify, or after 30 s. A client

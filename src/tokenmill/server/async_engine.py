@@ -169,6 +169,7 @@ class _PendingAdd:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int
     accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -271,9 +272,10 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                          params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises QueueFullError
-        when full, TokenmillError when the engine refuses it (e.g. the prompt is too long)."""
+                          params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Queue a request (`priority`: lower runs first); returns its stream once the engine accepted
+        it. Raises QueueFullError when full, TokenmillError when the engine refuses it (e.g. the prompt
+        is too long)."""
         if not self.is_running:
             raise EngineStoppedError("the server is shutting down")
         self.check_capacity("n", f"{params.n} samples", params.n)
@@ -281,7 +283,7 @@ class AsyncEngine:
             raise QueueFullError(f"the server is at capacity ({self._num_seqs} sequences in flight, "
                                  f"{self.capacity} allowed); retry later")
         stream = RequestStream(request_id, len(prompt_token_ids), params.n)
-        add = _PendingAdd(stream, prompt, prompt_token_ids, params)
+        add = _PendingAdd(stream, prompt, prompt_token_ids, params, priority)
         self._num_seqs += params.n
         self._pending_adds.append(add)
         self._wake.set()
@@ -380,7 +382,8 @@ class AsyncEngine:
                 self._num_seqs -= stream.num_seqs
                 continue
             try:
-                self._processor.add_request(stream.request_id, add.prompt, add.prompt_token_ids, add.params)
+                self._processor.add_request(stream.request_id, add.prompt, add.prompt_token_ids, add.params,
+                                            add.priority)
             except Exception as e:
                 self._num_seqs -= stream.num_seqs
                 add.accepted.set_exception(e)

@@ -148,6 +148,7 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None   # the prompt's tokens' logprobs (and top k), in vLLM's form
+    priority: int = 0                    # lower runs first (the scheduler orders by it; ties: arrival)
     # vLLM's structured output: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": true} (see sampling/structured.py), and its older guided_* names for the same.
     structured_outputs: JsonObject | None = None

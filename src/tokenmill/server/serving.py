@@ -62,6 +62,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     token_bytes: Callable[[int], bytes]         # a token's bytes (Tokenizer.token_bytes), for its logprobs
+    priority: int                               # lower runs first
     continuous_usage: bool = False              # usage so far on every chunk
     echo: bool = False
     # echo with max_tokens 0: the prompt alone (with logprobs, scored); the one token the engine
@@ -231,7 +232,7 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
     first_tokens = [(inputs.tokenizer.decode(ids[:1]), inputs.tokenizer.token_bytes(ids[0], first=True))
                     for _, ids in prompts] if params.prompt_logprobs is not None and req.echo else []
     return Prepared("completion", prompts, params, req.stream, include_usage, inputs.tokenizer.token_bytes,
-                    continuous_usage, echo=req.echo, score_only=score_only, first_tokens=first_tokens,
+                    req.priority, continuous_usage, echo=req.echo, score_only=score_only, first_tokens=first_tokens,
                     prompt_logprobs=req.prompt_logprobs is not None, renames=renames)
 
 
@@ -273,7 +274,7 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
         raise ErrorBody(400, message if param != "messages" else f"messages: {e}", param=param) from None
     check_export(params, req.stream, 1)
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, inputs.tokenizer.token_bytes,
-                    continuous_usage, renames=renames,
+                    req.priority, continuous_usage, renames=renames,
                     tools=tools if req.tools is not None and tools.parses_output else None,
                     prompt_logprobs=req.prompt_logprobs is not None)
 
@@ -322,7 +323,8 @@ async def _submit(engine: AsyncEngine, request_id: str, prepared: Prepared) -> l
             engine.check_capacity("prompt", f"{num_prompts} prompts x n={n} ({num_prompts * n} sequences)",
                                   num_prompts * n)
         for i, (text, ids) in enumerate(prepared.prompts):
-            streams.append(await engine.add_request(f"{request_id}-{i}", text, ids, prepared.params))
+            streams.append(await engine.add_request(f"{request_id}-{i}", text, ids, prepared.params,
+                                                    prepared.priority))
     except BaseException as e:
         for s in streams:
             engine.abort(s.request_id)

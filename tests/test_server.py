@@ -289,6 +289,27 @@ def test_echo_with_logprobs_scores_the_prompt(client, model_name, tokenizer, ser
                                                                      for i in range(len(tokens))]
 
 
+def test_logprob_tokens_as_token_ids(client, model_name, tokenizer):
+    """vLLM's return_tokens_as_token_ids: each logprob's token is "token_id:<id>" (what RL trainers
+    read to get the exact ids back); the text and the offsets stay the text's."""
+    ids = tokenizer.encode("🤖 robots")
+    scored = client.completions.create(model=model_name, prompt=ids, max_tokens=2, echo=True, logprobs=1,
+                                       temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    choice = scored.choices[0]
+    assert choice.logprobs.tokens[:len(ids)] == [f"token_id:{i}" for i in ids]
+    assert all(t.startswith("token_id:") for t in choice.logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs[1:] for k in top)
+    assert choice.logprobs.text_offset[:len(ids) + 1] == [0, 0, 0, 1, len("🤖 robots")]
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    ids = [int(e.token.removeprefix("token_id:")) for e in content]
+    assert tokenizer.decode(ids) == chat.choices[0].message.content
+    assert all(bytes(e.bytes) == tokenizer.token_bytes(i) for e, i in zip(content, ids, strict=True))
+    assert all(t.token.startswith("token_id:") for e in content for t in e.top_logprobs)
+
+
 def test_chat_continues_the_final_assistant_message(client, model_name, tokenizer, server):
     """vLLM's continue_final_message (with add_generation_prompt false): the model goes on with the
     final assistant message (an answer's start given by the client) rather than a new turn; the

@@ -149,6 +149,7 @@ class _SamplingRequest(_Body):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None   # the prompt's tokens' logprobs (and top k), in vLLM's form
     priority: int = 0                    # lower runs first (the scheduler orders by it; ties: arrival)
+    return_tokens_as_token_ids: bool = False   # logprobs name each token "token_id:<id>"
     # vLLM's structured output: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": true} (see sampling/structured.py), and its older guided_* names for the same.
     structured_outputs: JsonObject | None = None

@@ -72,6 +72,7 @@ class Prepared:
     prompt_logprobs: bool = False    # vLLM's prompt_logprobs field: the answer carries them in its form
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
     tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
+    tokens_as_ids: bool = False                 # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:<id>"
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -229,11 +230,13 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
     check_export(params, req.stream, len(prompts))
-    first_tokens = [(inputs.tokenizer.decode(ids[:1]), inputs.tokenizer.token_bytes(ids[0], first=True))
+    first_tokens = [(f"token_id:{ids[0]}" if req.return_tokens_as_token_ids else inputs.tokenizer.decode(ids[:1]),
+                     inputs.tokenizer.token_bytes(ids[0], first=True))
                     for _, ids in prompts] if params.prompt_logprobs is not None and req.echo else []
     return Prepared("completion", prompts, params, req.stream, include_usage, inputs.tokenizer.token_bytes,
                     req.priority, continuous_usage, echo=req.echo, score_only=score_only, first_tokens=first_tokens,
-                    prompt_logprobs=req.prompt_logprobs is not None, renames=renames)
+                    prompt_logprobs=req.prompt_logprobs is not None, renames=renames,
+                    tokens_as_ids=req.return_tokens_as_token_ids)
 
 
 def chat_error_param(message: str) -> str:
@@ -276,7 +279,7 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, inputs.tokenizer.token_bytes,
                     req.priority, continuous_usage, renames=renames,
                     tools=tools if req.tools is not None and tools.parses_output else None,
-                    prompt_logprobs=req.prompt_logprobs is not None)
+                    prompt_logprobs=req.prompt_logprobs is not None, tokens_as_ids=req.return_tokens_as_token_ids)
 
 
 async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None:
@@ -450,7 +453,8 @@ class _Formatter:
                 [(self._token(tid, lp), _finite(lp.logprob)) for tid, lp in ranked])
 
     def _token(self, token_id: int, logprob: Logprob) -> _Token:
-        return logprob.decoded_token or "", self.p.token_bytes(token_id)
+        text = f"token_id:{token_id}" if self.p.tokens_as_ids else logprob.decoded_token or ""
+        return text, self.p.token_bytes(token_id)
 
     # ---- streaming ----
 

@@ -758,22 +758,42 @@ def test_priority_orders_the_waiting_requests(default_gguf_path, tmp_path):
         assert check_error(r, 400, "priority", None)
 
 
-def test_https_shutdown_waits_for_no_idle_client(tiny_gguf_model, certificate, tmp_path):
-    """On SIGTERM uvicorn closes the idle connections and waits for every connection to be gone, and
-    asyncio's TLS close is gone only once the client answers close_notify, or after 30 s. A client
-    that keeps its connection idle in a pool (the openai client does) or sent nothing (closed by the
-    read timeout) never answers: with nothing in flight, the server must exit well before that."""
+def test_https_shutdown_waits_for_no_idle_client(default_gguf_path, certificate, tmp_path):
+    """On SIGTERM uvicorn closes the idle connections (the others once their response is sent) and
+    waits for every connection to be gone, and asyncio's TLS close is gone only once the client
+    answers close_notify, or after 30 s. Clients that keep a connection without reading it (in a
+    pool, as the openai client does) never answer: one idle at SIGTERM, one whose stream was in
+    flight then and that stops reading at its end, one that sent nothing (closed by the read
+    timeout). The server must exit once its requests are done, well before the 30 s, and the
+    stream must arrive whole."""
     cert, key = certificate
     trust = ssl.create_default_context(cafile=cert)
-    s = Server([str(tiny_gguf_model("llama")), "--ssl-certfile", cert, "--ssl-keyfile", key,
-                "--request-read-timeout", "1"], tmp_path / "tls.log", verify=trust)
-    with running(s, None), httpx.Client(verify=trust) as pooled:
-        assert pooled.get(s.base + "/health").status_code == 200   # then idle in the client's pool
-        with socket.create_connection(("127.0.0.1", s.port)) as raw, \
-                trust.wrap_socket(raw, server_hostname="127.0.0.1"):   # a handshake, then nothing
-            time.sleep(2)   # (the read timeout closes this one: its TLS close waits for an answer)
-            s.proc.send_signal(signal.SIGTERM)
-            assert s.proc.wait(15) == 0
+    s = Server([str(default_gguf_path), "--ssl-certfile", cert, "--ssl-keyfile", key, "--max-model-len", "1024",
+                "--request-read-timeout", "3"], tmp_path / "tls.log", verify=trust)
+
+    def tls_socket() -> ssl.SSLSocket:
+        return trust.wrap_socket(socket.create_connection(("127.0.0.1", s.port)), server_hostname="127.0.0.1")
+
+    with running(s, None), httpx.Client(verify=trust, timeout=60) as idle, tls_socket():
+        time.sleep(4)   # (the read timeout closes that socket, which sent nothing: its TLS close waits)
+        streaming = tls_socket()
+        assert idle.get(s.base + "/health").status_code == 200   # then idle in its pool
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True})
+        streaming.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        received = b""
+        while b"data: {" not in received:   # the stream is in flight
+            chunk = streaming.recv(65536)
+            assert chunk, received
+            received += chunk
+        s.proc.send_signal(signal.SIGTERM)   # (the drain lets it finish)
+        while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):   # its end; then no more reads
+            chunk = streaming.recv(65536)
+            assert chunk, received[-300:]
+            received += chunk
+        assert s.proc.wait(15) == 0
+        streaming.close()
+    assert received.count(b"data: {") == 300
     assert "Traceback" not in s.log() and "engine stopped" in s.log(), s.log()
 
 

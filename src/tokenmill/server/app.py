@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 # that cancels only handlers still running after the drain ended their requests (it takes effect
 # between engine steps, so at most one step later).
 DRAIN_BACKSTOP_S = 5.0
+TLS_DRAIN_POLL_S = 0.05   # how often a TLS connection closing at shutdown checks that its bytes are out
 HEAD_LIMIT = 16 * 1024    # a request line and headers, while incomplete (h11's default)
 # The replicas behind a front end take heads of up to twice that, so a head the front end relays
 # (HEAD_LIMIT at most, checked there: h11 holds a head to its limit only while it is incomplete, so
@@ -410,6 +411,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.header_timer: asyncio.TimerHandle | None = None
         self.tls = False
+        self.shutting_down = False
+        self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -417,6 +420,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self.arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
         self.disarm_header_timer()
         super().connection_lost(exc)
 
@@ -431,23 +435,38 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         super().handle_websocket_upgrade(event)
 
     def shutdown(self) -> None:
-        """uvicorn's, for a connection with no response in flight: close it, and for TLS close the socket
-        at once. uvicorn's shutdown waits until every connection is gone, and asyncio's TLS close sends
-        close_notify, then keeps the socket until the client answers it (or for 30 s): a client holding
-        the connection idle in its pool (the openai client does), or one that never sent a request,
-        does not answer, so a shutdown with nothing in flight still took 30 s. The socket
-        closes as nginx or Go close TLS: close_notify sent, no answer awaited (the kernel still
-        delivers what was written). A connection closed earlier (the keep-alive or read timeout) may
-        still be waiting for that answer; uvicorn would close it a second time, which asyncio's TLS
-        transport does not allow for (it drops its protocol)."""
+        """uvicorn's (close the connection if no response is in flight, else once it is sent), without
+        waiting for a TLS client. uvicorn's shutdown waits until every connection is gone, and asyncio's
+        TLS close sends close_notify, then keeps the socket until the client answers it (or for 30 s):
+        a client that holds the connection idle in its pool (the openai client does), or one that never
+        sent a request, does not answer, so a shutdown took 30 s more. Here the socket closes once
+        close_notify and everything before it have left (end_tls). A connection closed earlier (the
+        keep-alive or read timeout) may still be waiting for that answer; uvicorn would close it a
+        second time, which asyncio's TLS transport does not allow for (it drops its protocol)."""
+        self.shutting_down = True
         if not self.transport.is_closing():
             super().shutdown()
-        if self.tls and self.transport.is_closing():
-            self.transport.abort()
+        self.end_tls()
+
+    def end_tls(self) -> None:
+        """While shutting down, close a TLS connection that is closing as soon as asyncio holds nothing
+        more to send on it (as nginx and Go close TLS: close_notify sent, no answer awaited). What it
+        holds is in the socket transport under the TLS one, which asyncio does not expose: where that
+        cannot be read, the close goes on as asyncio's (up to its 30 s)."""
+        if not (self.shutting_down and self.tls and self.transport.is_closing()) or self.lost:
+            return
+        socket_transport = getattr(getattr(self.transport, "_ssl_protocol", None), "_transport", None)
+        if socket_transport is None:
+            return
+        if socket_transport.get_write_buffer_size() > 0:   # (a response still going out to a slow reader)
+            self.loop.call_later(TLS_DRAIN_POLL_S, self.end_tls)
+            return
+        self.transport.abort()
 
     def on_response_complete(self) -> None:
         self.arm_header_timer()      # first: the call below may start a pipelined request, which disarms it
         super().on_response_complete()
+        self.end_tls()               # (a response in flight at shutdown closes its connection once sent)
 
     def arm_header_timer(self) -> None:
         self.disarm_header_timer()

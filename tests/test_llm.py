@@ -397,6 +397,10 @@ def test_chat_continues_the_final_assistant_message(llm):
     spaced = [conv[0], {"role": "assistant", "content": "  " + prefix + " "}]
     assert llm.chat(spaced, greedy(1), use_tqdm=False, add_generation_prompt=False,
                     continue_final_message=True)[0].prompt.endswith("assistant\n  " + prefix + " ")
+    for short in ("<", "im", "end", ">"):   # (texts the template's own markup holds too)
+        prompt = llm.chat([conv[0], {"role": "assistant", "content": short}], greedy(1), use_tqdm=False,
+                          add_generation_prompt=False, continue_final_message=True)[0].prompt
+        assert prompt.endswith("<|im_start|>assistant\n" + short), prompt
     with pytest.raises(TokenmillError, match="continue_final_message.*add_generation_prompt"):
         llm.chat(conv, greedy(1), use_tqdm=False, continue_final_message=True)
     with pytest.raises(TokenmillError, match="continue_final_message.*assistant"):

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -108,9 +108,10 @@ class Tokenizer:
         piece = self._token_bytes.get(token_id)
         if piece is None:
             piece = self._token_bytes[token_id] = self._piece_bytes(token_id)
-        # (SentencePiece's decoders drop the first space of a text: a Strip step, or Metaspace's own)
-        if first and piece.startswith(b" ") and self._decoder_steps() & {"Strip", "Metaspace"}:
-            return piece[1:]
+        if first:   # decode's text where it is whole characters (the piece ends with it, less what a decoder drops)
+            alone = self.decode([token_id])
+            if "\ufffd" not in alone and piece.endswith(alone.encode()):
+                return alone.encode()
         return piece
 
     def token_text(self, token_id: int) -> str:
@@ -133,9 +134,8 @@ class Tokenizer:
     def _decoder_steps(self) -> set[str]:
         """The types of the decoder's steps (read once)."""
         if self._decoders is None:
-            # (the decoder's JSON, as pickling gets it: tokenizers has no other view of its steps)
-            self._decoders = _step_types(json.loads(self._backend.decoder.__getstate__())) \
-                if self._backend.decoder is not None else set()
+            decoder = json.loads(self.backend_json()).get("decoder")
+            self._decoders = _step_types(decoder) if decoder is not None else set()
         return self._decoders
 
     def vocabulary_difference(self, other: Tokenizer) -> str | None:
@@ -395,21 +395,33 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def end_at_final_message(text: str, content: str) -> str:
-    """`text`, a rendered conversation, cut where its final message (`content`) ends: what the template
-    writes after it (the end of the turn) is left out, so a model goes on with that message. A
-    template that trims messages gives the text up to the trimmed message's end (as transformers'
-    continue_final_message)."""
+_END_MARK = "\u2063<end of the final message>\u2063"   # (U+2063: no template writes it)
+
+
+def end_at_final_message(render: Callable[[list[dict[str, Any]]], str], conversation: list[dict[str, Any]]) -> str:
+    """The conversation as `render` writes it, up to where its final message's text ends: what the
+    template writes after it (the end of the turn) left out, so that a model goes on with that
+    message. Found by rendering the conversation again with a mark after that text (the text itself
+    can also occur in the template's markup: a prefill "<" in "<|im_end|>"). A template that trims
+    the message gives the trimmed end (as transformers' continue_final_message); one that loses the
+    mark or repeats it is read as transformers reads every template, at the text's last occurrence."""
+    content = conversation[-1]["content"]
+    if not content.strip():
+        raise TokenmillError("continue_final_message: the final message is empty: nothing to continue (a new turn "
+                             "is add_generation_prompt's)")
+    whole = render(conversation)
+    marked = render([*conversation[:-1], {**conversation[-1], "content": content + _END_MARK}])
+    if marked.count(_END_MARK) == 1:
+        cut = marked[:marked.index(_END_MARK)]
+        return cut.rstrip() if not whole.startswith(cut) and whole.startswith(cut.rstrip()) else cut
     trimmed = content.strip()
-    at = text.rfind(trimmed) if trimmed else -1
+    at = whole.rfind(trimmed)
     if at < 0:
-        raise TokenmillError("continue_final_message: " + ("the final message is empty: nothing to continue (a new "
-                                                           "turn is add_generation_prompt's)" if not trimmed else
-                                                           "the chat template does not write the final message's "
-                                                           "text as it is, so there is no end of it to continue from"))
+        raise TokenmillError("continue_final_message: the chat template does not write the final message's text as "
+                             "it is, so there is no end of it to continue from")
     end = at + len(trimmed)
     tail = content[len(content.rstrip()):]   # (the message's trailing whitespace, where the template kept it)
-    return text[:end + len(tail) if text.startswith(tail, end) else end]
+    return whole[:end + len(tail) if whole.startswith(tail, end) else end]
 
 
 def read_chat_template(template: str) -> str:

@@ -161,10 +161,11 @@ class InputProcessor:
         conversation = plan.parser.prepare_messages(conversation, shown)
         if shown and plan.parser.template_tools() is not None:
             template_kwargs["tools"] = plan.parser.template_tools()
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                  **template_kwargs)
-        if continue_final_message:
-            text = end_at_final_message(text, conversation[-1]["content"])
+        def render(messages: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **template_kwargs)
+
+        text = end_at_final_message(render, conversation) if continue_final_message else render(conversation)
         # The template may already start with BOS; add it only if it does not (as llama.cpp does).
         bos = self.tokenizer.bos_token_id
         has_bos = bos is not None and text.startswith(self.tokenizer.id_to_token(bos))

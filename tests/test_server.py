@@ -336,24 +336,33 @@ def test_chat_continues_the_final_assistant_message(client, model_name, tokenize
 def test_logprobs_of_tokens_that_split_a_character(client, model_name, tokenizer):
     """The default vocabulary splits "🤖" over three tokens, none of them a character: each logprob
     carries its own token's bytes (OpenAI's `bytes`, from which a client puts characters back
-    together), and /v1/completions' text_offset counts the characters of the text before each token."""
+    together) and is named by them ("bytes:\\xf0\\x9f"; as U+FFFD every such token
+    had one name, and a completions top_logprobs dict kept one of them), and /v1/completions'
+    text_offset counts the characters of the text before each token."""
     text = "🤖 robots café"
     ids = tokenizer.encode(text)
     pieces = [tokenizer.token_bytes(i) for i in ids]
     assert b"".join(pieces) == text.encode() and len(ids) > len(text.split())
-    scored = client.completions.create(model=model_name, prompt=text, max_tokens=0, echo=True, logprobs=1)
+
+    def name(piece: bytes) -> str:
+        whole = piece.decode(errors="ignore")
+        return whole if whole.encode() == piece else "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+    scored = client.completions.create(model=model_name, prompt=text, max_tokens=0, echo=True, logprobs=5)
     lp = scored.choices[0].logprobs
-    assert scored.choices[0].text == text and lp.tokens == [tokenizer.token_text(i) for i in ids]
+    assert scored.choices[0].text == text and lp.tokens == [name(p) for p in pieces]
+    assert lp.tokens[:3] == ["bytes:\\xf0\\x9f", "bytes:\\xa4", "bytes:\\x96"]
     assert lp.text_offset == [len(b"".join(pieces[:i]).decode(errors="ignore")) for i in range(len(ids))]
     assert lp.text_offset[:4] == [0, 0, 0, 1]   # the emoji's three tokens, then " robots"
+    assert all(len(top) >= 5 for top in lp.top_logprobs[1:])   # (no two of the five share a name)
     chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Say it."}],
-                                          logprobs=True, top_logprobs=3, temperature=0,
+                                          logprobs=True, top_logprobs=5, temperature=0,
                                           extra_body={"guided_choice": [text]})
     content = chat.choices[0].logprobs.content
     assert chat.choices[0].message.content == text and b"".join(bytes(e.bytes) for e in content) == text.encode()
     for entry in [*content, *(top for e in content for top in e.top_logprobs)]:
-        assert entry.token == bytes(entry.bytes).decode(errors="replace")
-    assert sum("\ufffd" in e.token for e in content) >= 2
+        assert entry.token == name(bytes(entry.bytes))
+    assert sum(e.token.startswith("bytes:") for e in content) >= 2
 
 
 def test_vllms_prompt_logprobs_field(client, model_name, tokenizer, server):

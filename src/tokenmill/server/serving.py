@@ -425,7 +425,8 @@ class _Formatter:
         k = self.p.params.logprobs or 0
         entries: list[tuple[_Token, float | None, list[tuple[_Token, float]] | None]] = []
         if prompt is not None:
-            entries.append((self.p.first_tokens[self.prompt_index(choice)], None, None))
+            text, raw = self.p.first_tokens[self.prompt_index(choice)]
+            entries.append(((text if self.p.tokens_as_ids else _token_name(text, raw), raw), None, None))
             entries += [self._entry(token_id, entry, k)
                         for token_id, entry in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:],
                                                    strict=True)]
@@ -453,8 +454,8 @@ class _Formatter:
                 [(self._token(tid, lp), _finite(lp.logprob)) for tid, lp in ranked])
 
     def _token(self, token_id: int, logprob: Logprob) -> _Token:
-        text = f"token_id:{token_id}" if self.p.tokens_as_ids else logprob.decoded_token or ""
-        return text, self.p.token_bytes(token_id)
+        raw = self.p.token_bytes(token_id)
+        return f"token_id:{token_id}" if self.p.tokens_as_ids else _token_name(logprob.decoded_token or "", raw), raw
 
     # ---- streaming ----
 
@@ -571,6 +572,17 @@ def _vllm_prompt_logprobs(out: RequestOutput) -> list[dict[int, dict[str, Any]] 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
     """OpenAI's "tool_calls" for an output that ended by itself after calling tools."""
     return "tool_calls" if called_tools and reason == "stop" else reason
+
+
+def _token_name(text: str, raw: bytes) -> str:
+    """A logprob's token as the answer names it: its text, or for part of a character its escaped
+    bytes ("bytes:\\xf0\\x9f"), so that no two tokens of a top_logprobs dict share a name (as U+FFFD,
+    vLLM's name for them, they would)."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
 
 
 def _finite(x: float) -> float:

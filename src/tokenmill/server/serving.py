@@ -68,7 +68,8 @@ class Prepared:
     # echo with max_tokens 0: the prompt alone (with logprobs, scored); the one token the engine
     # samples after it is not part of the answer
     score_only: bool = False
-    first_tokens: list[_Token] = dataclasses.field(default_factory=list)   # with echo: each prompt's first token
+    # with echo: each prompt's first token (id, text, bytes), as the start of the text
+    first_tokens: list[tuple[int, str, bytes]] = dataclasses.field(default_factory=list)
     prompt_logprobs: bool = False    # vLLM's prompt_logprobs field: the answer carries them in its form
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
     tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
@@ -230,8 +231,7 @@ def prepare_completion(req: CompletionRequest, inputs: InputProcessor) -> Prepar
             raise ErrorBody(400, f"prompt[{i}]: {e}", param="prompt") from None
         prompts.append((text if text is not None else inputs.tokenizer.decode(ids), ids))
     check_export(params, req.stream, len(prompts))
-    first_tokens = [(f"token_id:{ids[0]}" if req.return_tokens_as_token_ids else inputs.tokenizer.decode(ids[:1]),
-                     inputs.tokenizer.token_bytes(ids[0], first=True))
+    first_tokens = [(ids[0], inputs.tokenizer.decode(ids[:1]), inputs.tokenizer.token_bytes(ids[0], first=True))
                     for _, ids in prompts] if params.prompt_logprobs is not None and req.echo else []
     return Prepared("completion", prompts, params, req.stream, include_usage, inputs.tokenizer.token_bytes,
                     req.priority, continuous_usage, echo=req.echo, score_only=score_only, first_tokens=first_tokens,
@@ -425,8 +425,7 @@ class _Formatter:
         k = self.p.params.logprobs or 0
         entries: list[tuple[_Token, float | None, list[tuple[_Token, float]] | None]] = []
         if prompt is not None:
-            text, raw = self.p.first_tokens[self.prompt_index(choice)]
-            entries.append(((text if self.p.tokens_as_ids else _token_name(text, raw), raw), None, None))
+            entries.append((self._token(*self.p.first_tokens[self.prompt_index(choice)]), None, None))
             entries += [self._entry(token_id, entry, k)
                         for token_id, entry in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:],
                                                    strict=True)]
@@ -450,12 +449,14 @@ class _Formatter:
         """(a token, its logprob, its position's k most likely tokens with theirs)."""
         ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k),
                         key=lambda item: item[1].rank)
-        return (self._token(token_id, entry[token_id]), _finite(entry[token_id].logprob),
-                [(self._token(tid, lp), _finite(lp.logprob)) for tid, lp in ranked])
+        return (self._token(token_id, entry[token_id].decoded_token or "", self.p.token_bytes(token_id)),
+                _finite(entry[token_id].logprob),
+                [(self._token(tid, lp.decoded_token or "", self.p.token_bytes(tid)), _finite(lp.logprob))
+                 for tid, lp in ranked])
 
-    def _token(self, token_id: int, logprob: Logprob) -> _Token:
-        raw = self.p.token_bytes(token_id)
-        return f"token_id:{token_id}" if self.p.tokens_as_ids else _token_name(logprob.decoded_token or "", raw), raw
+    def _token(self, token_id: int, text: str, raw: bytes) -> _Token:
+        """A logprob's token as the answer names it (_token_name; return_tokens_as_token_ids: by its id)."""
+        return f"token_id:{token_id}" if self.p.tokens_as_ids else _token_name(text, raw), raw
 
     # ---- streaming ----
 

@@ -802,7 +802,8 @@ def test_https_shutdown_waits_for_no_idle_client(default_gguf_path, certificate,
             received += chunk
         assert s.proc.wait(15) == 0
         streaming.close()
-    assert received.count(b"data: {") == 300
+    # whole: ended by its length, not by the drain's error (chunks can hold several tokens: no count)
+    assert b'"finish_reason": "length"' in received and b'"error"' not in received, received[-500:]
     assert "Traceback" not in s.log() and "engine stopped" in s.log(), s.log()
 
 

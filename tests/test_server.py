@@ -325,6 +325,17 @@ def test_chat_continues_the_final_assistant_message(client, model_name, tokenize
     same = client.completions.create(model=model_name, prompt=ids, max_tokens=4, temperature=0)
     assert reply.usage.prompt_tokens == len(ids) and reply.choices[0].message.content == same.choices[0].text
     assert "Paris" in reply.choices[0].message.content
+    # vLLM's chat echo: the reply begins with the final message when it is the assistant's (whole or streamed)
+    whole = messages[1]["content"] + reply.choices[0].message.content
+    echoed = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={**fields, "echo": True})
+    streamed = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0,
+                                              stream=True, extra_body={**fields, "echo": True})
+    assert echoed.choices[0].message.content == whole
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole
+    plain = client.chat.completions.create(model=model_name, messages=messages[:1], max_tokens=4, temperature=0,
+                                           extra_body={"echo": True})   # (a user's message is not echoed)
+    assert not plain.choices[0].message.content.startswith(messages[0]["content"])
     for body, words in (({"messages": messages, "continue_final_message": True}, ["add_generation_prompt"]),
                         ({"messages": messages[:1], **fields}, ["final message", "assistant", "'user'"])):
         for path in ("/v1/chat/completions", "/tokenize"):

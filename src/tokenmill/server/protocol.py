@@ -237,6 +237,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: JsonObject | None = None
     add_generation_prompt: bool = True        # vLLM's: false with continue_final_message
     continue_final_message: bool = False      # vLLM's: the model goes on with the final (assistant) message
+    echo: bool = False                        # vLLM's: the reply begins with the final message, if the assistant's
     # Accepted with any value (see NO_OP_VALUES' comment).
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None

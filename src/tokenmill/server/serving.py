@@ -74,6 +74,7 @@ class Prepared:
     renames: dict[str, str] = dataclasses.field(default_factory=dict)   # SamplingParams field -> request field
     tools: ToolPlan | None = None               # chat with tools: outputs are parsed for tool calls
     tokens_as_ids: bool = False                 # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:<id>"
+    reply_start: str = ""                       # chat echo: the text a reply begins with (the final message's)
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -279,7 +280,9 @@ def prepare_chat(req: ChatCompletionRequest, inputs: InputProcessor) -> Prepared
     return Prepared("chat", [(text, ids)], params, req.stream, include_usage, inputs.tokenizer.token_bytes,
                     req.priority, continuous_usage, renames=renames,
                     tools=tools if req.tools is not None and tools.parses_output else None,
-                    prompt_logprobs=req.prompt_logprobs is not None, tokens_as_ids=req.return_tokens_as_token_ids)
+                    prompt_logprobs=req.prompt_logprobs is not None, tokens_as_ids=req.return_tokens_as_token_ids,
+                    reply_start=(messages[-1]["content"] or "") if req.echo and messages[-1]["role"] == "assistant"
+                    else "")
 
 
 async def compile_constraint(prepared: Prepared, inputs: InputProcessor) -> None:
@@ -475,8 +478,8 @@ class _Formatter:
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(len(self._sent_text))]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": self.p.reply_start},
+                              "logprobs": None, "finish_reason": None}]) for i in range(len(self._sent_text))]
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
@@ -544,6 +547,8 @@ class _Formatter:
                         message["content"], calls = parsed.content, parsed.tool_calls
                         if calls:
                             message["tool_calls"] = [call.to_openai() for call in calls]
+                    if self.p.reply_start:
+                        message["content"] = self.p.reply_start + (message["content"] or "")
                     choices.append({"index": i, "message": message, "logprobs": logprobs,
                                     "finish_reason": _finish_reason(o.finish_reason, bool(calls))})
                 else:
